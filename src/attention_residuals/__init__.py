@@ -1,0 +1,14 @@
+"""Attention Residuals (AttnRes): softmax attention over depth in place of residual connections."""
+
+from .functional import DepthState, depth_state, depth_state_batched, merge_states, rms_norm
+from .kernels import depth_attention
+
+__all__ = [
+    "DepthState",
+    "depth_attention",
+    "depth_state",
+    "depth_state_batched",
+    "merge_states",
+    "rms_norm",
+]
+__version__ = "0.1.0"
