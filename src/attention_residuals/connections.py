@@ -1,0 +1,482 @@
+"""Floor 3: every depth-mixing rule as an ``nn.Module`` behind one interface.
+
+A Transformer with ``L`` sublayers (each attention and each MLP is its own layer) runs::
+
+    state = residual.init_state(embedding)        # v_0 = h_1 = the token embedding
+    for l in range(L):
+        h = residual.read(state, l)                # the input h_l of layer l
+        v = f_l(RMSNorm_l(h))                      # the layer's output v_l
+        residual.write(state, l, v)
+    out = residual.final(state)                    # what the final norm and LM head see
+
+Rules (``make_connection(name, ...)``):
+
+- ``prenorm``: ``h_{l+1} = h_l + v_l`` (the baseline: uniform sum of every earlier output).
+- ``full``: ``h_l = sum_{i<=l} softmax_i(w_l . RMSNorm(v_i)) v_i`` over the embedding and all outputs.
+- ``block``: outputs summed inside blocks of ``block_size`` layers; layer ``l`` attends over
+  ``[b_0 = embedding, b_1, ..., b_{n-1}]`` plus the current partial sum ``b_n^{i-1}``.
+- ``swa``: like ``full`` but over the embedding plus only the last ``window`` outputs.
+- ``mixing``: input-independent softmax weights per (layer, source) over the full sources.
+- ``denseformer``: depth-weighted average of the hidden states after every layer (DenseFormer).
+- ``mhc``: mHC-lite, ``m`` residual streams mixed by a doubly-stochastic matrix built as a convex
+  combination of permutation matrices (exact, no Sinkhorn iterations).
+
+The attention rules (``full``, ``block``, ``swa``) take ``query="static"|"input"``,
+``normalize="softmax"|"sigmoid"``, ``heads`` and ``key_norm``. Every rule has one more query /
+weight row for the final readout (index ``L``). Queries are zero-initialised, so at step 0 every
+attention layer sees the mean of its sources.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .functional import (
+    DepthState,
+    depth_logits,
+    depth_state,
+    depth_state_batched,
+    merge_states,
+    rms_norm,
+)
+from .kernels import depth_attention
+
+__all__ = ["RESIDUALS", "Connection", "ResidualState", "make_connection", "resolve_block_size"]
+
+RESIDUALS = ("prenorm", "full", "block", "denseformer", "mhc", "swa", "mixing")
+SCHEDULES = ("plain", "two_phase")
+
+
+@dataclass
+class ResidualState:
+    """Mutable per-forward state of a connection (its fields depend on the rule).
+
+    ``record`` collects depth weights for :meth:`GPT.depth_weights`: layer -> (columns, weights).
+    ``phase1`` caches two-phase results: group index -> (batched state, layers, sources covered).
+    """
+
+    schedule: str = "plain"
+    h: torch.Tensor | None = None
+    values: list[torch.Tensor] = field(default_factory=list)
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    partial: torch.Tensor | None = None
+    streams: torch.Tensor | None = None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    record: dict[int, tuple[list[int], torch.Tensor]] | None = None
+    phase1: dict[int, tuple[DepthState, list[int], int]] = field(default_factory=dict)
+
+
+class Connection(nn.Module):
+    """Base class: a depth-mixing rule for ``n_layers`` sublayers of width ``d_model``."""
+
+    #: whether ``read`` attends over explicit sources (so depth weights can be recorded)
+    has_depth_weights = False
+    #: whether the exact two-phase schedule applies
+    supports_two_phase = False
+
+    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.n_layers, self.d_model, self.eps = n_layers, d_model, eps
+
+    def init_state(self, embedding: torch.Tensor, schedule: str = "plain", record: bool = False) -> ResidualState:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        if schedule == "two_phase" and not self.supports_two_phase:
+            raise ValueError(f"schedule='two_phase' needs {self.two_phase_requirement()}")
+        if record and not self.has_depth_weights:
+            raise ValueError(f"depth weights are not defined for residual={self.name!r}")
+        return ResidualState(schedule=schedule, record={} if record else None)
+
+    def two_phase_requirement(self) -> str:
+        return "residual='full' or 'block' with static softmax queries"
+
+    def read(self, state: ResidualState, layer: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write(self, state: ResidualState, layer: int, output: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def final(self, state: ResidualState) -> torch.Tensor:
+        raise NotImplementedError
+
+    def n_columns(self) -> int:
+        """Number of distinct source columns in :meth:`GPT.depth_weights`."""
+        return self.n_layers + 1
+
+    @property
+    def name(self) -> str:
+        return type(self).rule
+
+
+class PreNormResidual(Connection):
+    """``h_{l+1} = h_l + f_l(RMSNorm(h_l))``: the standard residual, the baseline."""
+
+    rule = "prenorm"
+
+    def init_state(self, embedding, schedule="plain", record=False):
+        state = super().init_state(embedding, schedule, record)
+        state.h = embedding
+        return state
+
+    def read(self, state, layer):
+        return state.h
+
+    def write(self, state, layer, output):
+        state.h = state.h + output
+
+    def final(self, state):
+        return state.h
+
+
+class DepthAttentionResidual(Connection):
+    """Shared machinery of the rules that attend over explicit sources (full, block, swa).
+
+    Query of layer ``l``: the learned pseudo-query ``w_l`` (zero-init), plus, with
+    ``query="input"``, ``W_l RMSNorm(latest source)`` (``W_l`` zero-init, ``d x d``) so the mix
+    depends on the current token's most recent representation (the report's ablation).
+    """
+
+    has_depth_weights = True
+
+    def __init__(
+        self,
+        n_layers: int,
+        d_model: int,
+        eps: float = 1e-6,
+        *,
+        query: str = "static",
+        normalize: str = "softmax",
+        heads: int = 1,
+        key_norm: bool = True,
+    ) -> None:
+        super().__init__(n_layers, d_model, eps)
+        if query not in ("static", "input"):
+            raise ValueError(f"query: expected 'static' or 'input', got {query!r}")
+        if normalize not in ("softmax", "sigmoid"):
+            raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
+        if heads < 1 or d_model % heads:
+            raise ValueError(f"heads: must divide d_model={d_model}, got {heads}")
+        self.query_mode, self.normalize, self.heads, self.key_norm = query, normalize, heads, key_norm
+        # one pseudo-query per layer plus one for the final readout; zero-init is essential
+        self.queries = nn.Parameter(torch.zeros(n_layers + 1, d_model))
+        if query == "input":
+            self.query_proj = nn.Parameter(torch.zeros(n_layers + 1, d_model, d_model))
+        self.supports_two_phase = type(self).prefix_sources and query == "static" and normalize == "softmax"
+
+    #: whether every layer's sources start with all sources known at its group's first layer
+    prefix_sources = False
+
+    def sources(self, state: ResidualState, layer: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Sources of ``layer`` (``layer == n_layers``: the final readout) and their columns."""
+        raise NotImplementedError
+
+    def group_size(self) -> int:
+        """Layers per two-phase group (the block size)."""
+        raise NotImplementedError
+
+    def query(self, layer: int, sources: list[torch.Tensor]) -> torch.Tensor:
+        w = self.queries[layer]
+        if self.query_mode == "input":
+            w = w + rms_norm(sources[-1], self.eps) @ self.query_proj[layer].T
+        return w
+
+    def _attend(self, state: ResidualState, layer: int) -> torch.Tensor:
+        srcs, cols = self.sources(state, layer)
+        if state.schedule == "two_phase":
+            return self._attend_two_phase(state, layer, srcs)
+        q = self.query(layer, srcs)
+        stacked = torch.stack(srcs)
+        if state.record is not None:
+            z = depth_logits(q, stacked, self.eps, heads=self.heads, key_norm=self.key_norm)
+            w = torch.softmax(z, 0) if self.normalize == "softmax" else torch.sigmoid(z)
+            state.record[layer] = (cols, w.detach().flatten(1, -1).mean(1))
+        return depth_attention(q, stacked, self.eps, heads=self.heads, key_norm=self.key_norm, normalize=self.normalize)
+
+    def _attend_two_phase(self, state: ResidualState, layer: int, srcs: list[torch.Tensor]) -> torch.Tensor:
+        """Phase 1 once per group: every query of the group (and the final readout's, in the
+        last group) over the sources already known, in one batched pass. Phase 2 per layer:
+        the sources added since, merged into the phase-1 statistics by online softmax."""
+        size = self.group_size()
+        group = min(layer, self.n_layers - 1) // size
+        if group not in state.phase1:
+            layers = list(range(group * size, min((group + 1) * size, self.n_layers)))
+            if layers[-1] == self.n_layers - 1:
+                layers.append(self.n_layers)  # the final readout joins the last group
+            known = torch.stack(srcs)
+            batched = depth_state_batched(self.queries[layers], known, self.eps, heads=self.heads, key_norm=self.key_norm)
+            state.phase1[group] = (batched, layers, len(srcs))
+        batched, layers, covered = state.phase1[group]
+        merged = batched[layers.index(layer)]
+        rest = srcs[covered:]
+        if rest:
+            intra = depth_state(self.queries[layer], torch.stack(rest), self.eps, heads=self.heads, key_norm=self.key_norm)
+            merged = merge_states(merged, intra)
+        return merged.output(srcs[0].dtype)
+
+    def init_state(self, embedding, schedule="plain", record=False):
+        state = super().init_state(embedding, schedule, record)
+        state.values = [embedding]
+        state.blocks = [embedding]
+        return state
+
+    def read(self, state, layer):
+        return self._attend(state, layer)
+
+    def final(self, state):
+        return self._attend(state, self.n_layers)
+
+
+class FullAttnRes(DepthAttentionResidual):
+    """Full AttnRes: layer ``l`` attends over ``[v_0 = embedding, v_1, ..., v_l]``.
+
+    ``block_size`` only sets the two-phase schedule's group size (the architecture has no
+    blocks); by default ~8 groups.
+    """
+
+    rule = "full"
+    prefix_sources = True
+
+    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int | None = None, **options):
+        super().__init__(n_layers, d_model, eps, **options)
+        self.block_size = block_size or max(1, math.ceil(n_layers / 8))
+
+    def sources(self, state, layer):
+        return state.values, list(range(len(state.values)))
+
+    def group_size(self):
+        return self.block_size
+
+    def write(self, state, layer, output):
+        state.values.append(output)
+
+
+class BlockAttnRes(DepthAttentionResidual):
+    """Block AttnRes: sum inside blocks of ``block_size`` layers, attend across blocks.
+
+    Layer ``l`` in block ``n`` (``n = l // S + 1``) sees ``[b_0, ..., b_{n-1}]`` and, unless it
+    opens the block, the partial sum ``b_n^{i-1}``. The final readout sees every block (the
+    last one possibly partial when ``S`` does not divide ``L``). Column ``j`` of the depth
+    weights is block ``b_j``.
+    """
+
+    rule = "block"
+    prefix_sources = True
+
+    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int, **options):
+        super().__init__(n_layers, d_model, eps, **options)
+        self.block_size = block_size
+
+    def sources(self, state, layer):
+        srcs = state.blocks + ([state.partial] if state.partial is not None else [])
+        return srcs, list(range(len(srcs)))
+
+    def group_size(self):
+        return self.block_size
+
+    def write(self, state, layer, output):
+        state.partial = output if state.partial is None else state.partial + output
+        if (layer + 1) % self.block_size == 0:
+            state.blocks.append(state.partial)
+            state.partial = None
+
+    def n_columns(self):
+        return math.ceil(self.n_layers / self.block_size) + 1
+
+
+class SlidingWindowAttnRes(DepthAttentionResidual):
+    """Depth-SWA: attend over the embedding plus only the last ``window`` layer outputs."""
+
+    rule = "swa"
+
+    def __init__(self, n_layers, d_model, eps=1e-6, *, window: int = 8, **options):
+        super().__init__(n_layers, d_model, eps, **options)
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        self.window = window
+
+    def sources(self, state, layer):
+        n = len(state.values)
+        first = max(1, n - self.window)
+        return [state.values[0]] + state.values[first:], [0] + list(range(first, n))
+
+    def write(self, state, layer, output):
+        state.values.append(output)
+        if len(state.values) > self.window + 1:  # keep memory at O(window): drop what is out of reach
+            state.values[len(state.values) - self.window - 1] = None  # type: ignore[call-overload]
+
+
+class MixingResidual(Connection):
+    """Input-independent mixing: ``h_l = sum_i softmax_i(s_{l,i}) v_i`` with learned scalars
+    ``s`` (zero-init: the mean of the sources), i.e. AttnRes without query and keys."""
+
+    rule = "mixing"
+    has_depth_weights = True
+
+    def __init__(self, n_layers, d_model, eps=1e-6):
+        super().__init__(n_layers, d_model, eps)
+        self.logits = nn.Parameter(torch.zeros(n_layers + 1, n_layers + 1))
+
+    def init_state(self, embedding, schedule="plain", record=False):
+        state = super().init_state(embedding, schedule, record)
+        state.values = [embedding]
+        return state
+
+    def _mix(self, state, layer):
+        n = len(state.values)
+        w = torch.softmax(self.logits[layer, :n].float(), 0)
+        if state.record is not None:
+            state.record[layer] = (list(range(n)), w.detach())
+        out = sum(w[i] * v.float() for i, v in enumerate(state.values))
+        return out.to(state.values[0].dtype)
+
+    def read(self, state, layer):
+        return self._mix(state, layer)
+
+    def write(self, state, layer, output):
+        state.values.append(output)
+
+    def final(self, state):
+        return self._mix(state, self.n_layers)
+
+
+class DenseFormerResidual(Connection):
+    """DenseFormer: after every layer, a depth-weighted average of all hidden states so far,
+    ``h_{l+1} = sum_{j<=l+1} a_{l,j} x_j`` with ``x_0`` the embedding and ``x_{j+1} = h_j + v_j``.
+    Initialised to ``a_{l,l+1} = 1`` (others 0), i.e. exactly the PreNorm baseline at step 0."""
+
+    rule = "denseformer"
+
+    def __init__(self, n_layers, d_model, eps=1e-6):
+        super().__init__(n_layers, d_model, eps)
+        init = torch.zeros(n_layers, n_layers + 1)
+        init[torch.arange(n_layers), torch.arange(1, n_layers + 1)] = 1.0
+        self.weights = nn.Parameter(init)
+
+    def init_state(self, embedding, schedule="plain", record=False):
+        state = super().init_state(embedding, schedule, record)
+        state.values, state.h = [embedding], embedding
+        return state
+
+    def read(self, state, layer):
+        return state.h
+
+    def write(self, state, layer, output):
+        state.values.append(state.h + output)
+        a = self.weights[layer]
+        state.h = sum(a[j] * x for j, x in enumerate(state.values))
+
+    def final(self, state):
+        return state.h
+
+
+class MHCLiteResidual(Connection):
+    """mHC-lite: ``m`` residual streams ``H`` (``[m, *batch, d]``), per layer and token::
+
+        x      = sum_k pre_k H_k                      (the layer input)
+        H'_j   = sum_k A_kj H_k + post_j v            (A doubly stochastic)
+
+    with ``pre = sigmoid(.)``, ``post = 2 sigmoid(.)`` and ``A = sum_p softmax(.)_p P_p`` over
+    the ``m!`` permutation matrices ``P_p`` (Birkhoff: exactly doubly stochastic). All three are
+    ``bias + RMSNorm(vec H) @ W`` (``W`` zero-init: static at step 0). The streams start as
+    copies of the embedding and ``pre = 1/m``, ``post = 1``, so at init it is the PreNorm
+    baseline. The output is the mean of the streams.
+    """
+
+    rule = "mhc"
+
+    def __init__(self, n_layers, d_model, eps=1e-6, *, streams: int = 4):
+        super().__init__(n_layers, d_model, eps)
+        if not 1 <= streams <= 6:
+            raise ValueError(f"streams: expected 1..6 (m! permutations are enumerated), got {streams}")
+        m = streams
+        perms = list(itertools.permutations(range(m)))
+        eye = torch.eye(m)
+        self.register_buffer("perms", torch.stack([eye[list(p)] for p in perms]), persistent=False)
+        self.m, self.n_perm = m, len(perms)
+        width = 2 * m + self.n_perm
+        self.proj = nn.Parameter(torch.zeros(n_layers, m * d_model, width))
+        bias = torch.zeros(n_layers, width)
+        bias[:, :m] = math.log(1 / m / (1 - 1 / m)) if m > 1 else 10.0  # sigmoid(.) = 1/m
+        bias[:, 2 * m] = math.log(max(self.n_perm - 1, 1))  # the identity permutation gets weight 1/2
+        self.bias = nn.Parameter(bias)
+
+    def init_state(self, embedding, schedule="plain", record=False):
+        state = super().init_state(embedding, schedule, record)
+        state.streams = embedding.unsqueeze(0).expand(self.m, *embedding.shape)
+        return state
+
+    def read(self, state, layer):
+        H = state.streams
+        m = self.m
+        flat = rms_norm(H.movedim(0, -2).flatten(-2), self.eps)  # [*batch, m*d]
+        coef = flat @ self.proj[layer] + self.bias[layer]
+        pre = torch.sigmoid(coef[..., :m])
+        post = 2 * torch.sigmoid(coef[..., m : 2 * m])
+        mix = torch.softmax(coef[..., 2 * m :].float(), -1).to(H.dtype)
+        A = torch.einsum("...p,pkj->...kj", mix, self.perms.to(H.dtype))
+        state.pending = (post, A)
+        return torch.einsum("...k,k...d->...d", pre, H)
+
+    def write(self, state, layer, output):
+        post, A = state.pending
+        H = torch.einsum("...kj,k...d->j...d", A, state.streams)
+        state.streams = H + post.movedim(-1, 0).unsqueeze(-1) * output
+        state.pending = None
+
+    def final(self, state):
+        return state.streams.mean(0)
+
+
+def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | None) -> int | None:
+    """Block size ``S`` (in sublayers) from ``block_size`` or ``n_blocks``; checks it fits."""
+    if block_size is not None and n_blocks is not None:
+        raise ValueError("block_size and n_blocks: give one of them, not both")
+    if n_blocks is not None:
+        if not 1 <= n_blocks <= n_layers:
+            raise ValueError(f"n_blocks: must be in 1..L={n_layers}, got {n_blocks}")
+        return math.ceil(n_layers / n_blocks)
+    if block_size is not None and not 1 <= block_size <= n_layers:
+        raise ValueError(f"block_size: must be in 1..L={n_layers} sublayers (L = 2 * n_layer), got {block_size}")
+    return block_size
+
+
+def make_connection(
+    name: str,
+    n_layers: int,
+    d_model: int,
+    eps: float = 1e-6,
+    *,
+    block_size: int | None = None,
+    n_blocks: int | None = None,
+    query: str = "static",
+    normalize: str = "softmax",
+    heads: int = 1,
+    key_norm: bool = True,
+    window: int = 8,
+    streams: int = 4,
+) -> Connection:
+    """Build the depth-mixing rule ``name`` (one of :data:`RESIDUALS`) for ``n_layers`` sublayers."""
+    if name not in RESIDUALS:
+        raise ValueError(f"residual: expected one of {RESIDUALS}, got {name!r}")
+    size = resolve_block_size(n_layers, block_size, n_blocks)
+    options = dict(query=query, normalize=normalize, heads=heads, key_norm=key_norm)
+    if name == "prenorm":
+        return PreNormResidual(n_layers, d_model, eps)
+    if name == "full":
+        return FullAttnRes(n_layers, d_model, eps, block_size=size, **options)
+    if name == "block":
+        if size is None:
+            size = math.ceil(n_layers / 8)  # the report's default: N ~ 8 blocks
+        return BlockAttnRes(n_layers, d_model, eps, block_size=size, **options)
+    if name == "swa":
+        return SlidingWindowAttnRes(n_layers, d_model, eps, window=window, **options)
+    if name == "mixing":
+        return MixingResidual(n_layers, d_model, eps)
+    if name == "denseformer":
+        return DenseFormerResidual(n_layers, d_model, eps)
+    return MHCLiteResidual(n_layers, d_model, eps, streams=streams)

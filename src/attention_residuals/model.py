@@ -1,0 +1,285 @@
+"""Floor 4: a decoder-only language model that takes any depth-mixing rule.
+
+Token embedding -> L sublayers (attention and MLP alternate; each is its own layer with its own
+input RMSNorm) wired by ``config.residual`` -> final RMSNorm -> LM head. Attention is causal
+``F.scaled_dot_product_attention`` with rotary positions; the MLP is SwiGLU. The residual wiring
+is the only thing that changes between the baseline and AttnRes::
+
+    v_0 = embed(idx)
+    h_l = residual.read(state, l)          # PreNorm: h_{l-1} + v_{l-1};  AttnRes: sum_i alpha_{i->l} v_i
+    v_l = f_l(RMSNorm_l(h_l))
+    logits = lm_head(RMSNorm(residual.final(state)))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .connections import RESIDUALS, make_connection, resolve_block_size
+
+__all__ = ["GPTConfig", "GPT", "KVCache"]
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and depth-mixing rule.
+
+    ``seq_len`` is the context length; ``block_size`` is the AttnRes block size S counted in
+    sublayers (L = 2 * n_layer), unlike nanoGPT where block_size is the context length. Give
+    ``block_size`` or ``n_blocks`` (N); for ``residual="block"`` the default is N ~ 8.
+    """
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    seq_len: int = 256
+    residual: str = "prenorm"
+    block_size: int | None = None
+    n_blocks: int | None = None
+    query: str = "static"
+    normalize: str = "softmax"
+    heads: int = 1
+    key_norm: bool = True
+    window: int = 8
+    streams: int = 4
+    mlp_hidden: int | None = None  # default: 8/3 * d_model rounded up to a multiple of 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layer
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_hidden or 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    def validate(self) -> GPTConfig:
+        """Raise ``ValueError`` naming the field if the configuration cannot be built."""
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "heads", "window", "streams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if self.residual not in RESIDUALS:
+            raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.residual!r}")
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
+        resolve_block_size(self.n_sublayers, self.block_size, self.n_blocks)
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GPTConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"GPTConfig: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[seq_len, head_dim / 2]`` for rotary position embedding."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x_{2i}, x_{2i+1})`` of ``x`` ``[B, H, T, hd]`` by position-dependent angles."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class KVCache:
+    """Pre-allocated keys and values of every attention sublayer for incremental decoding."""
+
+    def __init__(self, n_attn: int, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype):
+        shape = (n_attn, batch, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # tokens already cached
+        self.max_len = max_len
+
+    def update(self, index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.length, self.length + k.shape[2]
+        self.k[index, :, :, start:end] = k
+        self.v[index, :, :, start:end] = v
+        return self.k[index, :, :, :end], self.v[index, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, index: int) -> None:
+        super().__init__()
+        self.n_head, self.head_dim, self.index = config.n_head, config.d_model // config.n_head, index
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.update(self.index, k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new tokens see every cached token and the causal part of themselves
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
+        self.down = nn.Linear(config.hidden, config.d_model, bias=False)
+
+    def forward(self, x, *unused) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class GPT(nn.Module):
+    """Decoder-only LM; ``config.residual`` picks the depth-mixing rule (see connections)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config.validate()
+        c = config
+        L = c.n_sublayers
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.layers = nn.ModuleList(
+            CausalSelfAttention(c, l // 2) if l % 2 == 0 else SwiGLU(c) for l in range(L)
+        )
+        self.norms = nn.ModuleList(nn.RMSNorm(c.d_model, eps=c.norm_eps) for _ in range(L))
+        self.residual = make_connection(
+            c.residual, L, c.d_model, c.norm_eps, block_size=c.block_size, n_blocks=c.n_blocks,
+            query=c.query, normalize=c.normalize, heads=c.heads, key_norm=c.key_norm,
+            window=c.window, streams=c.streams,
+        )
+        self.norm_f = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        cos, sin = rope_tables(c.seq_len, c.d_model // c.n_head, c.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_weights(self) -> None:
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        # scale the projections that write into the residual stream by depth (GPT-2 style)
+        for layer in self.layers:
+            out = layer.proj if isinstance(layer, CausalSelfAttention) else layer.down
+            nn.init.normal_(out.weight, mean=0.0, std=std / math.sqrt(len(self.layers)))
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: ``6 N`` for the matmuls (N non-embedding params, LM head
+        included) plus ``12 n_layer d T`` for attention scores and values (Kaplan/PaLM form)."""
+        c, T = self.config, seq_len or self.config.seq_len
+        n = self.num_params(non_embedding=True)
+        return 6.0 * n + 12.0 * c.n_layer * c.d_model * T
+
+    def _run(self, idx: torch.Tensor, schedule: str = "plain", cache: KVCache | None = None,
+             record: bool = False) -> tuple[torch.Tensor, dict | None]:
+        if idx.ndim != 2 or idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx: expected integer token ids of shape [B, T], got {tuple(idx.shape)} {idx.dtype}")
+        B, T = idx.shape
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.seq_len:
+            raise ValueError(f"idx: {start + T} tokens exceed the context length seq_len={self.config.seq_len}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        x = self.embed(idx)
+        state = self.residual.init_state(x, schedule=schedule, record=record)
+        for l, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=False)):
+            h = self.residual.read(state, l)
+            self.residual.write(state, l, layer(norm(h), cos, sin, cache))
+        out = self.norm_f(self.residual.final(state))
+        if cache is not None:
+            cache.length += T
+        return out, state.record
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, schedule: str = "plain"):
+        """``model(idx)`` -> logits ``[B, T, vocab]``; with ``targets`` -> ``(logits, loss)``.
+
+        ``schedule="two_phase"``: the exact two-phase block schedule (static queries only).
+        """
+        hidden, _ = self._run(idx, schedule)
+        logits = self.lm_head(hidden)
+        if targets is None:
+            return logits
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets: expected shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        c = self.config
+        p = self.lm_head.weight
+        return KVCache(c.n_layer, batch, c.n_head, max_len or c.seq_len, c.d_model // c.n_head, p.device, p.dtype)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 use_cache: bool = True) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` ``[B, T]``; ``temperature=0`` is greedy.
+
+        With ``use_cache`` (default) the prompt is prefilled once and every new token costs one
+        position through the network (KV cache); without it the whole prefix is recomputed.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
+        if idx.shape[1] + max_new_tokens > self.config.seq_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({idx.shape[1]}) + {max_new_tokens} new tokens exceed seq_len={self.config.seq_len}"
+            )
+        cache = self.new_cache(idx.shape[0]) if use_cache else None
+        pending = idx
+        for _ in range(max_new_tokens):
+            hidden, _ = self._run(pending if use_cache else idx, cache=cache)
+            logits = self.lm_head(hidden[:, -1]).float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+            pending = nxt
+        return idx
+
+    @torch.no_grad()
+    def depth_weights(self, idx: torch.Tensor) -> torch.Tensor:
+        """Learned depth-attention weights averaged over batch, tokens (and heads).
+
+        Returns ``[L + 1, n_columns]``: row ``l`` is sublayer ``l`` (even rows: pre-attention,
+        odd rows: pre-MLP), the last row the final readout; column ``j`` is source ``j``
+        (Full: ``v_j``; Block: block ``b_j``); NaN where a layer has no such source.
+        """
+        _, record = self._run(idx, record=True)
+        out = torch.full((self.residual.n_layers + 1, self.residual.n_columns()), float("nan"))
+        for layer, (cols, w) in record.items():
+            out[layer, cols] = w.float().cpu() if w.ndim == 1 else w.float().mean(-1).cpu()
+        return out
