@@ -1,9 +1,16 @@
 """Attention Residuals (AttnRes): softmax attention over depth in place of residual connections."""
 
+from .connections import RESIDUALS, Connection, make_connection
 from .functional import DepthState, depth_state, depth_state_batched, merge_states, rms_norm
 from .kernels import depth_attention
+from .model import GPT, GPTConfig
 
 __all__ = [
+    "GPT",
+    "GPTConfig",
+    "RESIDUALS",
+    "Connection",
+    "make_connection",
     "DepthState",
     "depth_attention",
     "depth_state",
