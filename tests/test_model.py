@@ -98,7 +98,8 @@ def test_rules_that_start_as_prenorm(residual, idx):
     "kw",
     [dict(residual="full"), dict(residual="full", block_size=4), dict(residual="block", block_size=2),
      dict(residual="block", block_size=4), dict(residual="block", block_size=6), dict(residual="block", n_blocks=4),
-     dict(residual="block", block_size=2, heads=4), dict(residual="full", key_norm=False)],
+     dict(residual="block", block_size=2, heads=4), dict(residual="full", key_norm=False),
+     dict(residual="block", block_size=2, intra_gate=True)],
 )
 def test_two_phase_equals_plain(kw, idx):
     model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
@@ -106,7 +107,7 @@ def test_two_phase_equals_plain(kw, idx):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(residual="block", query="input"), dict(residual="full", normalize="sigmoid"),
+    "kw", [dict(residual="block", query="input"), dict(residual="block", query="lowrank"), dict(residual="full", normalize="sigmoid"),
            dict(residual="prenorm"), dict(residual="swa"), dict(residual="mhc")]
 )
 def test_two_phase_needs_static_softmax_queries(kw, idx):
@@ -165,7 +166,8 @@ def test_depth_weights_rows_and_nan(idx):
     [(dict(residual="nope"), "residual"), (dict(residual="block", block_size=7), "block_size"),
      (dict(residual="block", n_blocks=0), "n_blocks"), (dict(residual="block", block_size=2, n_blocks=2), "n_blocks"),
      (dict(d_model=30), "n_head"), (dict(residual="full", heads=5), "heads"), (dict(residual="full", query="x"), "query"),
-     (dict(n_layer=0), "n_layer")],
+     (dict(n_layer=0), "n_layer"), (dict(residual="full", intra_gate=True), "intra_gate"),
+     (dict(residual="block", query="lowrank", query_rank=0), "query_rank")],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -196,7 +198,8 @@ def test_config_round_trip():
     [dict(residual=r) for r in RESIDUALS]
     + [dict(residual="full", query="input"), dict(residual="block", normalize="sigmoid", block_size=2),
        dict(residual="block", heads=4, block_size=2), dict(residual="full", key_norm=False),
-       dict(residual="block", key_norm=False, block_size=2)],
+       dict(residual="block", key_norm=False, block_size=2), dict(residual="block", query="lowrank", query_rank=4),
+       dict(residual="block", intra_gate=True, block_size=2)],
 )
 def test_every_rule_learns(kw):
     """Loss falls on a tiny repetitive corpus within 50 steps (each ablation row must train)."""

@@ -21,7 +21,7 @@ Rules (``make_connection(name, ...)``):
 - ``mhc``: mHC-lite, ``m`` residual streams mixed by a doubly-stochastic matrix built as a convex
   combination of permutation matrices (exact, no Sinkhorn iterations).
 
-The attention rules (``full``, ``block``, ``swa``) take ``query="static"|"input"``,
+The attention rules (``full``, ``block``, ``swa``) take ``query="static"|"input"|"lowrank"``,
 ``normalize="softmax"|"sigmoid"``, ``heads`` and ``key_norm``. Every rule has one more query /
 weight row for the final readout (index ``L``). Queries are zero-initialised, so at step 0 every
 attention layer sees the mean of its sources.
@@ -138,7 +138,10 @@ class DepthAttentionResidual(Connection):
 
     Query of layer ``l``: the learned pseudo-query ``w_l`` (zero-init), plus, with
     ``query="input"``, ``W_l RMSNorm(latest source)`` (``W_l`` zero-init, ``d x d``) so the mix
-    depends on the current token's most recent representation (the report's ablation).
+    depends on the current token's most recent representation (the report's ablation), or with
+    ``query="lowrank"`` the cheap version ``B_l A_l RMSNorm(latest source)`` of rank
+    ``query_rank`` (``A_l`` random, ``B_l`` zero-init: ``2 r d`` parameters instead of ``d^2``;
+    one of the open problems of the critique: input-dependent but cheap queries).
     """
 
     has_depth_weights = True
@@ -153,10 +156,11 @@ class DepthAttentionResidual(Connection):
         normalize: str = "softmax",
         heads: int = 1,
         key_norm: bool = True,
+        query_rank: int = 8,
     ) -> None:
         super().__init__(n_layers, d_model, eps)
-        if query not in ("static", "input"):
-            raise ValueError(f"query: expected 'static' or 'input', got {query!r}")
+        if query not in ("static", "input", "lowrank"):
+            raise ValueError(f"query: expected 'static', 'input' or 'lowrank', got {query!r}")
         if normalize not in ("softmax", "sigmoid"):
             raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
         if heads < 1 or d_model % heads:
@@ -166,6 +170,11 @@ class DepthAttentionResidual(Connection):
         self.queries = nn.Parameter(torch.zeros(n_layers + 1, d_model))
         if query == "input":
             self.query_proj = nn.Parameter(torch.zeros(n_layers + 1, d_model, d_model))
+        if query == "lowrank":
+            if not 1 <= query_rank <= d_model:
+                raise ValueError(f"query_rank: expected 1..d_model={d_model}, got {query_rank}")
+            self.query_down = nn.Parameter(torch.randn(n_layers + 1, d_model, query_rank) / math.sqrt(d_model))
+            self.query_up = nn.Parameter(torch.zeros(n_layers + 1, query_rank, d_model))
         self.supports_two_phase = type(self).prefix_sources and query == "static" and normalize == "softmax"
 
     #: whether every layer's sources start with all sources known at its group's first layer
@@ -183,6 +192,8 @@ class DepthAttentionResidual(Connection):
         w = self.queries[layer]
         if self.query_mode == "input":
             w = w + rms_norm(sources[-1], self.eps) @ self.query_proj[layer].T
+        elif self.query_mode == "lowrank":
+            w = w + rms_norm(sources[-1], self.eps) @ self.query_down[layer] @ self.query_up[layer]
         return w
 
     def _attend(self, state: ResidualState, layer: int) -> torch.Tensor:
@@ -267,9 +278,14 @@ class BlockAttnRes(DepthAttentionResidual):
     rule = "block"
     prefix_sources = True
 
-    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int, **options):
+    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int, intra_gate: bool = False, **options):
         super().__init__(n_layers, d_model, eps, **options)
         self.block_size = block_size
+        if intra_gate:
+            # open problem of the critique: selectivity inside a block. b_n^i = sum_j g_j v_j with
+            # g_j = 2 sigmoid(c_j), c_j zero-init (g_j = 1: plain Block AttnRes at step 0)
+            self.gate_logits = nn.Parameter(torch.zeros(n_layers))
+        self.intra_gate = intra_gate
 
     def sources(self, state, layer):
         srcs = state.blocks + ([state.partial] if state.partial is not None else [])
@@ -279,6 +295,8 @@ class BlockAttnRes(DepthAttentionResidual):
         return self.block_size
 
     def write(self, state, layer, output):
+        if self.intra_gate:
+            output = output * (2 * torch.sigmoid(self.gate_logits[layer])).to(output.dtype)
         state.partial = output if state.partial is None else state.partial + output
         if (layer + 1) % self.block_size == 0:
             state.blocks.append(state.partial)
@@ -459,12 +477,16 @@ def make_connection(
     key_norm: bool = True,
     window: int = 8,
     streams: int = 4,
+    query_rank: int = 8,
+    intra_gate: bool = False,
 ) -> Connection:
     """Build the depth-mixing rule ``name`` (one of :data:`RESIDUALS`) for ``n_layers`` sublayers."""
     if name not in RESIDUALS:
         raise ValueError(f"residual: expected one of {RESIDUALS}, got {name!r}")
     size = resolve_block_size(n_layers, block_size, n_blocks)
-    options = dict(query=query, normalize=normalize, heads=heads, key_norm=key_norm)
+    options = dict(query=query, normalize=normalize, heads=heads, key_norm=key_norm, query_rank=query_rank)
+    if intra_gate and name != "block":
+        raise ValueError(f"intra_gate: only defined for residual='block', got residual={name!r}")
     if name == "prenorm":
         return PreNormResidual(n_layers, d_model, eps)
     if name == "full":
@@ -472,7 +494,7 @@ def make_connection(
     if name == "block":
         if size is None:
             size = math.ceil(n_layers / 8)  # the report's default: N ~ 8 blocks
-        return BlockAttnRes(n_layers, d_model, eps, block_size=size, **options)
+        return BlockAttnRes(n_layers, d_model, eps, block_size=size, intra_gate=intra_gate, **options)
     if name == "swa":
         return SlidingWindowAttnRes(n_layers, d_model, eps, window=window, **options)
     if name == "mixing":

@@ -48,6 +48,8 @@ class GPTConfig:
     key_norm: bool = True
     window: int = 8
     streams: int = 4
+    query_rank: int = 8
+    intra_gate: bool = False
     mlp_hidden: int | None = None  # default: 8/3 * d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -64,7 +66,7 @@ class GPTConfig:
 
     def validate(self) -> GPTConfig:
         """Raise ``ValueError`` naming the field if the configuration cannot be built."""
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "heads", "window", "streams"):
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "heads", "window", "streams", "query_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -168,7 +170,7 @@ class GPT(nn.Module):
         self.residual = make_connection(
             c.residual, L, c.d_model, c.norm_eps, block_size=c.block_size, n_blocks=c.n_blocks,
             query=c.query, normalize=c.normalize, heads=c.heads, key_norm=c.key_norm,
-            window=c.window, streams=c.streams,
+            window=c.window, streams=c.streams, query_rank=c.query_rank, intra_gate=c.intra_gate,
         )
         self.norm_f = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
