@@ -1,0 +1,435 @@
+"""Floor 6: the report's section-5 experiments at small scale, one command each.
+
+``attnres experiment scaling|ablation|blocksize|analysis|report [--budget quick|full]``
+
+Every experiment is a list of runs; each run is an ordinary training run directory under
+``<root>/<experiment>/runs/<name>`` that resumes if interrupted and is skipped once finished, so a
+sweep can span several sessions. Each experiment writes ``results.json``, ``table.md`` and its
+plots beside the runs; ``report`` gathers them into ``<root>/README.md``.
+
+Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 6 N + 12 n_layer d T``
+(N non-embedding parameters, T the context), in PFLOP/s-days (8.64e19 FLOPs) as in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RunSpec", "BUDGETS", "specs", "run_experiment", "fit_power_law", "compute_advantage", "main"]
+
+PFLOPS_DAY = 8.64e19
+EXPERIMENTS = ("scaling", "ablation", "blocksize", "analysis")
+
+# Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
+REPORT_ABLATION = {
+    "baseline": 1.766, "denseformer": 1.767, "mhc": 1.747, "full": 1.737, "block_s4": 1.746,
+    "swa_w8": 1.764, "input_query": 1.731, "mixing": 1.749, "sigmoid": 1.741, "multihead": 1.752,
+    "full_no_keynorm": 1.743, "block_no_keynorm": 1.750,
+}
+REPORT_SCALING = {"prenorm": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of an experiment: a name, a variant label and config overrides."""
+
+    name: str
+    variant: str
+    overrides: dict = field(hash=False)
+    seed: int = 0
+    group: str = ""  # e.g. the model size of a scaling run
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Shared training hyper-parameters of a budget preset (chosen for the baseline)."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    eval_interval: int
+    eval_batches: int
+    seeds: int
+    sizes: tuple[tuple[int, int, int, int], ...]  # (d_model, n_layer, n_head, steps)
+    mid: tuple[int, int, int]  # (d_model, n_layer, n_head) of the ablation / blocksize model
+    lr: float = 3e-3
+    warmup: int = 50
+
+
+BUDGETS: dict[str, Budget] = {
+    # seconds in all: checks the pipeline end to end, not the numbers
+    "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
+                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), warmup=2),
+    # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
+    "full": Budget(steps=600, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
+                   sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
+                   mid=(96, 8, 4)),
+}
+
+
+def _model(d: int, n_layer: int, n_head: int) -> dict:
+    return {"d_model": d, "n_layer": n_layer, "n_head": n_head}
+
+
+def _block_size_for(n_layer: int, n_blocks: int = 8) -> int:
+    """S for N ~ 8 blocks, never 1 (S = 1 would be Full AttnRes itself)."""
+    return max(2, math.ceil(2 * n_layer / n_blocks))
+
+
+def ablation_variants(n_layer: int, d_model: int) -> dict[str, dict]:
+    """The rows of the report's table 4 (plus two of ours from the critique's open problems)."""
+    heads = 16 if d_model % 16 == 0 else 8
+    return {
+        "baseline": {"residual": "prenorm"},
+        "denseformer": {"residual": "denseformer"},
+        "mhc": {"residual": "mhc"},
+        "full": {"residual": "full"},
+        "block_s4": {"residual": "block", "block_size": 4},
+        "swa_w8": {"residual": "swa", "window": 8},
+        "input_query": {"residual": "full", "query": "input"},
+        "mixing": {"residual": "mixing"},
+        "sigmoid": {"residual": "full", "normalize": "sigmoid"},
+        "multihead": {"residual": "block", "block_size": 4, "heads": heads},
+        "full_no_keynorm": {"residual": "full", "key_norm": False},
+        "block_no_keynorm": {"residual": "block", "block_size": 4, "key_norm": False},
+        "ours_lowrank_query": {"residual": "block", "block_size": 4, "query": "lowrank", "query_rank": 8},
+        "ours_intra_gate": {"residual": "block", "block_size": 4, "intra_gate": True},
+    }
+
+
+def specs(experiment: str, budget: Budget) -> list[RunSpec]:
+    """The runs of ``experiment`` under ``budget``."""
+    out: list[RunSpec] = []
+    if experiment == "scaling":
+        for d, n_layer, n_head, steps in budget.sizes:
+            size = f"d{d}_l{n_layer}"
+            variants = {
+                "prenorm": {"residual": "prenorm"},
+                "full": {"residual": "full"},
+                "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
+                "mhc": {"residual": "mhc"},
+            }
+            for v, o in variants.items():
+                out.append(RunSpec(f"{size}_{v}", v, {**_model(d, n_layer, n_head), "steps": steps, **o}, 0, size))
+    elif experiment == "ablation":
+        d, n_layer, n_head = budget.mid
+        for seed in range(budget.seeds):
+            for v, o in ablation_variants(n_layer, d).items():
+                out.append(RunSpec(f"{v}_s{seed}", v, {**_model(d, n_layer, n_head), **o}, seed))
+    elif experiment == "blocksize":
+        d, n_layer, n_head = budget.mid
+        L = 2 * n_layer
+        sizes = sorted({s for s in (1, 2, 4, 8, 16, L) if s <= L})
+        for seed in range(budget.seeds):
+            out.append(RunSpec(f"baseline_s{seed}", "baseline", {**_model(d, n_layer, n_head), "residual": "prenorm"}, seed))
+            for s in sizes:
+                o = {**_model(d, n_layer, n_head), "residual": "block", "block_size": s}
+                out.append(RunSpec(f"S{s}_s{seed}", f"S={s}", o, seed))
+    elif experiment == "analysis":
+        d, n_layer, n_head = budget.mid
+        for v, o in {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"},
+                     "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
+            out.append(RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0))
+    else:
+        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    return out
+
+
+def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
+    from .train import make_config
+
+    base = {
+        "steps": budget.steps, "batch_size": budget.batch_size, "seq_len": budget.seq_len,
+        "eval_interval": budget.eval_interval, "eval_batches": budget.eval_batches, "lr": budget.lr,
+        "min_lr": budget.lr / 10, "warmup": budget.warmup, "log_interval": max(1, budget.eval_interval // 5),
+    }
+    return make_config(**{**base, **spec.overrides, "seed": spec.seed, "out": str(run_dir), "resume": True,
+                          "progress": False})
+
+
+def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path = "results",
+                   only: list[str] | None = None) -> dict:
+    """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot."""
+    from tqdm.auto import tqdm
+
+    from .data import load_corpus
+    from .train import load_summary, train
+
+    if budget_name not in BUDGETS:
+        raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
+    budget = BUDGETS[budget_name]
+    exp_dir = Path(root) / experiment
+    todo = [s for s in specs(experiment, budget) if not only or s.variant in only or s.name in only]
+    corpus = load_corpus(None, vocab_size=256)
+    t0 = time.time()
+    summaries: dict[str, dict] = {}
+    bar = tqdm(todo, desc=f"{experiment} ({budget_name})", unit="run", file=sys.stderr)
+    for spec in bar:
+        run_dir = exp_dir / "runs" / spec.name
+        bar.set_postfix_str(spec.name)
+        done = load_summary(run_dir)
+        if done and done.get("done"):
+            summaries[spec.name] = done
+            continue
+        summaries[spec.name] = train(_train_config(spec, budget, run_dir), corpus=corpus)
+    bar.close()
+    meta = {
+        "experiment": experiment, "budget": budget_name, "budget_config": budget.__dict__,
+        "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
+        "corpus_sha256": corpus.info()["sha256"], "wall_s_this_invocation": round(time.time() - t0, 1),
+        "train_s_total": round(sum(s.get("train_s", 0.0) for s in summaries.values()), 1),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+    }
+    analyse = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis}[experiment]
+    results = analyse(todo, summaries, exp_dir, budget, meta)
+    results["meta"] = meta
+    (exp_dir / "results.json").write_text(json.dumps(results, indent=2, default=float))
+    return results
+
+
+# ---------------------------------------------------------------- fits
+
+def fit_power_law(compute: list[float], loss: list[float]) -> tuple[float, float]:
+    """Least squares in log space of ``loss = A * compute^-alpha``; returns ``(A, alpha)``."""
+    if len(compute) < 2:
+        raise ValueError("compute: need at least two points to fit a power law")
+    slope, intercept = np.polyfit(np.log(compute), np.log(loss), 1)
+    return float(math.exp(intercept)), float(-slope)
+
+
+def compute_advantage(base: tuple[float, float], other: tuple[float, float], compute: float) -> float:
+    """How much more compute the baseline needs to reach ``other``'s loss at ``compute``."""
+    a_b, alpha_b = base
+    a_o, alpha_o = other
+    target = a_o * compute ** -alpha_o
+    return (target / a_b) ** (-1.0 / alpha_b) / compute
+
+
+def _final(s: dict) -> float:
+    return float(s["final_val_loss"])
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
+    rows, by_variant = [], {}
+    for spec in todo:
+        s = summaries[spec.name]
+        c = s["flops_per_token"] * s["tokens"] / PFLOPS_DAY
+        rows.append({"size": spec.group, "variant": spec.variant, "params": s["params"], "tokens": s["tokens"],
+                     "compute_pfs_days": c, "val_loss": _final(s), "train_s": s["train_s"]})
+        by_variant.setdefault(spec.variant, []).append((c, _final(s)))
+    fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
+    cmax = max(r["compute_pfs_days"] for r in rows)
+    advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for v, pts in by_variant.items():
+        cs, ls = zip(*sorted(pts))
+        line = ax.plot(cs, ls, "o", label=None)[0]
+        if v in fits:
+            a, alpha = fits[v]
+            grid = np.geomspace(min(cs), max(cs), 50)
+            ax.plot(grid, a * grid ** -alpha, "-", color=line.get_color(),
+                    label=f"{v}: {a:.3f}·C^-{alpha:.3f}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("compute C (PFLOP/s-days)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Scaling: loss vs compute")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(exp_dir / "scaling.png", dpi=120)
+    plt.close(fig)
+    lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
+              f"{r['val_loss']:.4f} |" for r in rows]
+    lines += ["", "| variant | A | α | compute advantage over baseline at largest C | report A, α |", "|---|---|---|---|---|"]
+    for v, (a, alpha) in fits.items():
+        rep = REPORT_SCALING.get(v)
+        rep_s = f"{rep[0]}, {rep[1]}" if rep else "—"
+        lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {advantage.get(v, float('nan')):.2f}× | {rep_s} |")
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"rows": rows, "fits": {v: {"A": a, "alpha": al} for v, (a, al) in fits.items()},
+            "advantage_at_max_compute": advantage, "max_compute_pfs_days": cmax}
+
+
+def _seeded_table(todo, summaries) -> dict[str, dict]:
+    groups: dict[str, list[float]] = {}
+    for spec in todo:
+        groups.setdefault(spec.variant, []).append(_final(summaries[spec.name]))
+    return {v: {"losses": ls, "mean": _mean_std(ls)[0], "std": _mean_std(ls)[1]} for v, ls in groups.items()}
+
+
+def _verdict(delta: float, spread: float) -> str:
+    if spread == 0.0:
+        return "one seed"
+    return "within noise" if abs(delta) <= spread else ("better" if delta < 0 else "worse")
+
+
+def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
+    table = _seeded_table(todo, summaries)
+    base = table["baseline"]
+    lines = ["| variant | val loss (mean ± std) | Δ vs baseline | verdict | report | report Δ |",
+             "|---|---|---|---|---|---|"]
+    for v, r in table.items():
+        delta = r["mean"] - base["mean"]
+        spread = max(r["std"], base["std"])
+        rep = REPORT_ABLATION.get(v)
+        rep_s = f"{rep:.3f}" if rep else "—"
+        rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
+        r.update(delta=delta, verdict=_verdict(delta, spread))
+        lines.append(f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} | {r['verdict']} | {rep_s} | {rep_d} |")
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"table": table}
+
+
+def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
+    table = _seeded_table(todo, summaries)
+    points = sorted((int(v.split("=")[1]), r) for v, r in table.items() if v.startswith("S="))
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.errorbar([s for s, _ in points], [r["mean"] for _, r in points], yerr=[r["std"] for _, r in points],
+                fmt="o-", capsize=3, label="Block AttnRes")
+    base = table.get("baseline")
+    if base:
+        ax.axhline(base["mean"], color="gray", ls="--", label="PreNorm baseline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size S (sublayers); S=1 is Full AttnRes")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(exp_dir / "blocksize.png", dpi=120)
+    plt.close(fig)
+    lines = ["| S | val loss (mean ± std) |", "|---|---|"]
+    lines += [f"| {s} | {r['mean']:.4f} ± {r['std']:.4f} |" for s, r in points]
+    if base:
+        lines.append(f"| baseline | {base['mean']:.4f} ± {base['std']:.4f} |")
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"table": table}
+
+
+def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
+
+    from . import analysis
+    from .checkpoint import load_latest
+    from .data import eval_batches, load_corpus
+    from .model import GPT, GPTConfig
+
+    corpus = load_corpus(None, vocab_size=256)
+    x, y = next(iter(eval_batches(corpus.val, n_batches=1, batch_size=8, seq_len=budget.seq_len)))
+    out: dict[str, Any] = {}
+    for spec in todo:
+        run_dir = exp_dir / "runs" / spec.name
+        cfg = json.loads((run_dir / "config.json").read_text())
+        model = GPT(GPTConfig.from_dict(cfg["model"]))
+        load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
+        entry = {"magnitudes": analysis.magnitudes(model, x), "grad_norms": analysis.gradient_norms(model, x, y)}
+        if model.residual.has_depth_weights:
+            entry["depth_weights"] = analysis.depth_weights(model, x)
+        out[spec.name] = entry
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for name, e in out.items():
+        axes[0].plot(e["magnitudes"]["input_rms"], "o-", ms=3, label=name)
+        axes[1].plot(e["magnitudes"]["output_rms"], "o-", ms=3, label=name)
+        axes[2].plot(e["grad_norms"], "o-", ms=3, label=name)
+    for ax, title in zip(axes, ["RMS of layer input h_l", "RMS of layer output v_l", "gradient norm per sublayer"]):
+        ax.set_title(title)
+        ax.set_xlabel("sublayer l (even: attention, odd: MLP)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(exp_dir / "dynamics.png", dpi=120)
+    plt.close(fig)
+    heat = [(n, e["depth_weights"]) for n, e in out.items() if "depth_weights" in e]
+    if heat:
+        fig, axes = plt.subplots(len(heat), 2, figsize=(10, 4 * len(heat)), squeeze=False)
+        for row, (name, w) in zip(axes, heat):
+            for ax, key in zip(row, ["pre_attn", "pre_mlp"]):
+                m = np.asarray(w[key], dtype=float)
+                im = ax.imshow(np.ma.masked_invalid(m), cmap="viridis", vmin=0, vmax=np.nanmax(m), aspect="auto")
+                ax.set_title(f"{name}: {key.replace('_', '-')} layers")
+                ax.set_xlabel("source (0 = embedding)")
+                ax.set_ylabel("layer")
+                fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(exp_dir / "depth_weights.png", dpi=120)
+        plt.close(fig)
+    lines = ["| run | val loss | max/min RMS of h_l | max/min grad norm |", "|---|---|---|---|"]
+    for name, e in out.items():
+        hin, g = e["magnitudes"]["input_rms"], e["grad_norms"]
+        lines.append(f"| {name} | {_final(summaries[name]):.4f} | {max(hin) / min(hin):.2f} | {max(g) / min(g):.2f} |")
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"runs": out}
+
+
+# ---------------------------------------------------------------- report
+
+def write_report(root: str | Path = "results") -> Path:
+    """Gather every finished experiment's table and plots into ``<root>/README.md``."""
+    root = Path(root)
+    parts = ["# Results", "",
+             "Generated by `attnres experiment report` from the experiments' `results.json`; nothing here is edited "
+             "by hand. Each section names the command that produced it.", ""]
+    for exp in EXPERIMENTS:
+        res_path = root / exp / "results.json"
+        if not res_path.exists():
+            continue
+        res = json.loads(res_path.read_text())
+        meta = res["meta"]
+        parts += [f"## {exp}", "", f"Command: `{meta['command']}` — budget `{meta['budget']}`, corpus sha256 "
+                  f"`{meta['corpus_sha256'][:16]}…`, total training time {meta['train_s_total'] / 60:.1f} min "
+                  f"({meta['machine']}).", ""]
+        parts += [(root / exp / "table.md").read_text(), ""]
+        for png in sorted((root / exp).glob("*.png")):
+            parts += [f"![{png.stem}]({exp}/{png.name})", ""]
+        notes = root / exp / "NOTES.md"
+        if notes.exists():
+            parts += [notes.read_text(), ""]
+    path = root / "README.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="attnres experiment", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=EXPERIMENTS + ("report",), help="which experiment to run (or gather the report)")
+    p.add_argument("--budget", default="quick", choices=tuple(BUDGETS), help="size preset (quick: a pipeline check)")
+    p.add_argument("--root", default="results", help="where runs, tables and plots go")
+    p.add_argument("--only", nargs="*", help="restrict to these variants or run names")
+    args = p.parse_args(argv)
+    if args.experiment == "report":
+        print(write_report(args.root))
+        return 0
+    results = run_experiment(args.experiment, args.budget, args.root, args.only)
+    print((Path(args.root) / args.experiment / "table.md").read_text())
+    del results
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
