@@ -1,18 +1,102 @@
 """Floor 2: fast implementations of the functional ops behind one dispatcher.
 
 Every backend computes exactly what :func:`attention_residuals.functional.depth_attention_reference`
-computes and is tested against it; :func:`depth_attention` picks one.
+computes and is tested against it; :func:`depth_attention` picks one:
+
+``reference``  the plain formula of ``functional`` (autograd through every intermediate).
+``fused``      :class:`~.autograd.DepthAttentionFunction` on eager torch ops: any device and
+               dtype; saves only the sources, the query and one float32 scalar per token and head.
+``compiled``   the same Function on a C kernel (one pass over the sources, online softmax), built
+               with the system compiler at first use: CPU, float32 / bfloat16 / float64.
+``triton``     the same Function on Triton kernels: CUDA, float32 / bfloat16 / float16 (CPU tensors
+               too under ``TRITON_INTERPRET=1``, for tests).
+
+``backend="auto"`` takes ``triton`` for CUDA tensors, ``compiled`` for CPU tensors, and ``fused``
+otherwise or when those are unavailable (no triton, no C compiler) or while ``torch.compile`` traces
+the call. ``normalize="sigmoid"`` always runs the reference formula. A forced backend that cannot
+run raises ``RuntimeError`` saying why.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..functional import check_depth_inputs, depth_attention_reference
+from . import autograd as _autograd
+from . import cpu as _cpu
 
-__all__ = ["depth_attention", "BACKENDS"]
+__all__ = ["depth_attention", "BACKENDS", "backend_status", "select_backend"]
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "fused", "compiled", "triton")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_triton_error: list[str | None] = []  # memo of the lazy import: [None] ok, [msg] failed
+
+
+def _triton_import_error() -> str | None:
+    if not _triton_error:
+        try:
+            from . import triton_kernels
+
+            _autograd.register_backend("triton", triton_kernels.forward, triton_kernels.backward)
+            _triton_error.append(None)
+        except Exception as exc:  # ImportError, or a triton too old / broken
+            _triton_error.append(
+                f"triton is not importable ({type(exc).__name__}: {exc}); pip install triton"
+            )
+    return _triton_error[0]
+
+
+def _compiled_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    reason = _cpu.unavailable_reason(device, dtype)
+    if reason is None:
+        _autograd.register_backend("compiled", _cpu.forward, _cpu.backward)
+    return reason
+
+
+def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    if dtype not in _TRITON_DTYPES:
+        return f"the triton backend supports float32, bfloat16 and float16, got {dtype}"
+    if device.type != "cuda" and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}"
+    return _triton_import_error()
+
+
+def backend_status(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, str | None]:
+    """``{backend: None if it can run on (device, dtype) else the reason}``."""
+    device = torch.device(device)
+    return {
+        "reference": None,
+        "fused": None,
+        "compiled": _compiled_reason(device, dtype),
+        "triton": _triton_reason(device, dtype),
+    }
+
+
+def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: str = "auto") -> str:
+    """The backend :func:`depth_attention` would run for these arguments (raises if forced and unavailable)."""
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    if normalize != "softmax" or backend == "reference":
+        return "reference"
+    device, dtype = sources.device, sources.dtype
+    if backend == "auto":
+        if torch.compiler.is_compiling():
+            return "fused"
+        if device.type == "cuda" and _triton_reason(device, dtype) is None:
+            return "triton"
+        if device.type == "cpu" and _compiled_reason(device, dtype) is None:
+            return "compiled"
+        return "fused"
+    if backend == "fused":
+        return "fused"
+    reason = _compiled_reason(device, dtype) if backend == "compiled" else _triton_reason(device, dtype)
+    if reason is not None:
+        raise RuntimeError(f"backend={backend!r} is unavailable: {reason}")
+    return backend
 
 
 def depth_attention(
@@ -30,9 +114,26 @@ def depth_attention(
     ``sources``: ``[N, *batch, d]`` (the depth axis first); ``query``: ``[d]`` (a static
     pseudo-query) or broadcastable to ``[*batch, d]`` (input-dependent). Softmax over dim 0 in
     float32; the output ``[*batch, d]`` has the dtype of ``sources``. A zero query gives the
-    mean of the sources.
+    mean of the sources. ``heads=H`` splits d into H groups with a softmax each; ``key_norm=False``
+    uses the raw sources as keys; ``normalize="sigmoid"`` gates each source independently.
+    ``backend``: ``"auto"`` or one of :data:`BACKENDS` (see the module docstring).
     """
     check_depth_inputs(query, sources, heads)
-    if backend not in ("auto",) + BACKENDS:
-        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
-    return depth_attention_reference(query, sources, eps, heads=heads, key_norm=key_norm, normalize=normalize)
+    if normalize not in ("softmax", "sigmoid"):
+        raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
+    if query.device != sources.device:
+        raise ValueError(f"query: on {query.device} but sources are on {sources.device}")
+    name = select_backend(sources, normalize, backend)
+    if name == "reference":
+        return depth_attention_reference(
+            query, sources, eps, heads=heads, key_norm=key_norm, normalize=normalize
+        )
+    n, d = sources.shape[0], sources.shape[-1]
+    batch = sources.shape[1:-1]
+    v = sources.reshape(n, -1, d)
+    if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
+        q = query.reshape(d)
+    else:
+        q = query.expand(*batch, d).reshape(-1, d)
+    out = _autograd.DepthAttentionFunction.apply(q, v, float(eps), int(heads), bool(key_norm), name)
+    return out.reshape(*batch, d)

@@ -1,0 +1,129 @@
+"""The fused depth-attention ``torch.autograd.Function`` and its eager (pure torch) backend.
+
+One Function serves every fused backend (``fused`` = eager torch ops, ``compiled`` = the C kernel,
+``triton`` = the GPU kernels); a backend is a pair of functions on flattened, contiguous tensors::
+
+    forward(q, v, eps, heads, key_norm) -> (out [M, d] in v.dtype, lse [M, H] in acc dtype)
+    backward(q, v, lse, g, eps, heads, key_norm, need_dq, need_dv) -> (dq like q, dv like v)
+
+with ``v`` the sources ``[N, M, d]``, ``q`` the query ``[d]`` (static) or ``[M, d]`` (one per
+token) already in the accumulation dtype (float32; float64 for float64 sources), and ``lse`` the
+log-sum-exp of the logits over the sources. Saved for backward: the sources, the query and
+``lse`` -- one float32 scalar per token and head. Keys, logits and weights are recomputed.
+
+Gradient, per token and head (``dh`` channels), with ``r_i = rsqrt(mean(v_i^2) + eps)``,
+``z_i = r_i q.v_i``, ``alpha_i = exp(z_i - lse)``, ``s_i = g.v_i``, ``delta = sum_i alpha_i s_i``::
+
+    dz_i = alpha_i (s_i - delta)
+    dv_i = alpha_i g + dz_i r_i q - (dz_i z_i r_i^2 / dh) v_i       (last term only with key_norm)
+    dq   = sum_i dz_i r_i v_i
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types and float32, float64 kept."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _heads_view(v: torch.Tensor, q: torch.Tensor, heads: int):
+    n, m, d = v.shape
+    vh = v.reshape(n, m, heads, d // heads)
+    qh = q.reshape(heads, d // heads) if q.ndim == 1 else q.reshape(m, heads, d // heads)
+    return vh, qh
+
+
+def _scalars(vh: torch.Tensor, qh: torch.Tensor, eps: float, key_norm: bool):
+    """(r, z) per source, token and head: ``[N, M, H]`` each (r is None without key_norm)."""
+    if qh.ndim == 2:
+        qv = torch.einsum("nmhc,hc->nmh", vh, qh)
+    else:
+        qv = torch.einsum("nmhc,mhc->nmh", vh, qh)
+    if not key_norm:
+        return None, qv
+    dh = vh.shape[-1]
+    r = torch.rsqrt(torch.linalg.vector_norm(vh, dim=-1).square() / dh + eps)
+    return r, qv * r
+
+
+def eager_forward(q: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: bool):
+    """Eager backend: logits in one batched pass, then the weighted sum (same contract as the kernels)."""
+    acc = acc_dtype(v.dtype)
+    n, m, d = v.shape
+    vh, qh = _heads_view(v.to(acc), q, heads)
+    _, z = _scalars(vh, qh, eps, key_norm)
+    lse = torch.logsumexp(z, dim=0)  # [M, H]
+    alpha = torch.exp(z - lse)
+    out = torch.einsum("nmh,nmhc->mhc", alpha, vh).reshape(m, d)
+    return out.to(v.dtype), lse
+
+
+def eager_backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
+    acc = acc_dtype(v.dtype)
+    n, m, d = v.shape
+    vh, qh = _heads_view(v.to(acc), q, heads)
+    gh = g.to(acc).reshape(m, heads, d // heads)
+    r, z = _scalars(vh, qh, eps, key_norm)
+    alpha = torch.exp(z - lse)
+    s = torch.einsum("nmhc,mhc->nmh", vh, gh)
+    delta = (alpha * s).sum(0)
+    dz = alpha * (s - delta)
+    a = dz if r is None else dz * r  # coefficient of q in dv, and of v in dq
+    dq = dv = None
+    if need_dv:
+        if r is None:
+            dvh = alpha.unsqueeze(-1) * gh
+        else:
+            dvh = vh * (-dz * z * r * r / vh.shape[-1]).unsqueeze(-1)
+            dvh.addcmul_(alpha.unsqueeze(-1), gh)
+        qb = qh if qh.ndim == 2 else qh.unsqueeze(0)
+        dvh.addcmul_(a.unsqueeze(-1), qb)
+        dv = dvh.reshape(n, m, d).to(v.dtype)
+    if need_dq:
+        if q.ndim == 1:
+            dq = torch.einsum("nmh,nmhc->hc", a, vh).reshape(d)
+        else:
+            dq = torch.einsum("nmh,nmhc->mhc", a, vh).reshape(m, d)
+    return dq, dv
+
+
+_BACKENDS: dict[str, tuple] = {"fused": (eager_forward, eager_backward)}
+
+
+def register_backend(name: str, forward, backward) -> None:
+    _BACKENDS[name] = (forward, backward)
+
+
+class DepthAttentionFunction(torch.autograd.Function):
+    """``apply(query, sources, eps, heads, key_norm, backend)``.
+
+    ``query``: ``[d]`` or ``[M, d]``; ``sources``: ``[N, M, d]`` -> ``[M, d]``. Validation and
+    the flattening of batch dims happen in the dispatcher.
+    """
+
+    @staticmethod
+    def forward(ctx, query, sources, eps, heads, key_norm, backend):
+        fwd, _ = _BACKENDS[backend]
+        q = query.detach().to(acc_dtype(sources.dtype)).contiguous()
+        v = sources.detach().contiguous()
+        out, lse = fwd(q, v, eps, heads, key_norm)
+        ctx.save_for_backward(q, v, lse)
+        ctx.config = (eps, heads, key_norm, backend, query.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, v, lse = ctx.saved_tensors
+        eps, heads, key_norm, backend, q_dtype = ctx.config
+        _, bwd = _BACKENDS[backend]
+        need_dq, need_dv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = grad_out.to(v.dtype).contiguous()
+        dq, dv = bwd(q, v, lse, g, eps, heads, key_norm, need_dq, need_dv)
+        return (dq.to(q_dtype) if need_dq else None, dv if need_dv else None, None, None, None, None)

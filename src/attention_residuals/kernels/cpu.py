@@ -1,0 +1,229 @@
+"""The ``compiled`` CPU backend: ``depth_attention.c`` built with the system C compiler, via ctypes.
+
+The C file needs no torch headers, so building it takes about a second with ``gcc -O3``; the
+shared object is cached per (source, flags, compiler, CPU) under ``$ATTNRES_CACHE_DIR`` (default
+``~/.cache/attention_residuals``, a temporary folder if that is not writable). The build happens
+lazily on first use and never raises: when no compiler is found, the build fails, or
+``ATTNRES_NO_COMPILE=1`` is set, :func:`unavailable_reason` says why and the dispatcher falls
+back to the eager ``fused`` path.
+
+Supported: float32, bfloat16 (accumulated in float32) and float64 (accumulated in float64, so the
+path can be gradchecked) on contiguous CPU tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "unavailable_reason", "forward", "backward", "library_path"]
+
+SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
+_SOURCE = Path(__file__).with_name("depth_attention.c")
+_BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+_ABI_VERSION = 2
+# Below this many source elements one thread is faster than starting more.
+_ELEMS_PER_THREAD = 1 << 16
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib" -> ctypes.CDLL, "error" -> str, "path" -> Path
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("ATTNRES_CACHE_DIR")
+    base = (
+        Path(env)
+        if env
+        else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention_residuals"
+    )
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        probe = base / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return base
+    except OSError:
+        fallback = (
+            Path(tempfile.gettempdir()) / f"attention_residuals-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        )
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        fields = [line for line in info.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(fields)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _compile(cc: str, out: Path, native: bool) -> str | None:
+    """Build the shared object at ``out``; returns an error message or None."""
+    flags = list(_BASE_FLAGS) + (["-march=native"] if native else [])
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [cc, *flags, "-o", str(tmp), str(_SOURCE), "-lm", "-lpthread"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{' '.join(cmd)}: {exc}"
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}"
+    os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    for suf in SUPPORTED_DTYPES.values():
+        fwd = getattr(lib, f"attnres_fwd_{suf}")
+        fwd.argtypes = [p, p, p, p, i64, i64, i64, i64, i32, f64, i32, i32]
+        fwd.restype = i32
+        bwd = getattr(lib, f"attnres_bwd_{suf}")
+        bwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, f64, i32, i32]
+        bwd.restype = i32
+    lib.attnres_abi_version.restype = i32
+
+
+def _load() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" in _state or "error" in _state:
+            return _state.get("lib")  # type: ignore[return-value]
+        if os.environ.get("ATTNRES_NO_COMPILE", "") not in ("", "0"):
+            _state["error"] = "disabled by ATTNRES_NO_COMPILE"
+            return None
+        cc = _compiler()
+        if cc is None:
+            _state["error"] = "no C compiler found (set CC, or install gcc)"
+            return None
+        if not _SOURCE.exists():
+            _state["error"] = f"kernel source missing: {_SOURCE}"
+            return None
+        errors = []
+        for native in (True, False):
+            key = hashlib.sha256()
+            for part in (
+                _SOURCE.read_bytes(),
+                repr((_BASE_FLAGS, native, cc, _ABI_VERSION)).encode(),
+                _cpu_id().encode(),
+            ):
+                key.update(part)
+            path = _cache_dir() / f"depth_attention_{key.hexdigest()[:16]}.so"
+            err = None if path.exists() else _compile(cc, path, native)
+            if err is None:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    _declare(lib)
+                    if lib.attnres_abi_version() != _ABI_VERSION:
+                        raise OSError("ABI version mismatch")
+                except (OSError, AttributeError) as exc:
+                    err = f"loading {path}: {exc}"
+                    path.unlink(missing_ok=True)
+                else:
+                    _state["lib"], _state["path"] = lib, path
+                    return lib
+            errors.append(err)
+        _state["error"] = "; ".join(e for e in errors if e)
+        return None
+
+
+def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None when the compiled backend can run on ``device``/``dtype``, else why not."""
+    if device is not None and torch.device(device).type != "cpu":
+        return f"the compiled backend runs on CPU tensors, got device {device}"
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"the compiled backend supports {sorted(str(t) for t in SUPPORTED_DTYPES)}, got {dtype}"
+    if _load() is None:
+        return f"the C kernel could not be built: {_state.get('error')}"
+    return None
+
+
+def library_path() -> Path | None:
+    _load()
+    return _state.get("path")  # type: ignore[return-value]
+
+
+def _threads(work: int) -> int:
+    return max(1, min(torch.get_num_threads(), work // _ELEMS_PER_THREAD))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _lib_for(v: torch.Tensor) -> tuple[ctypes.CDLL, str]:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"backend='compiled' is unavailable: {_state.get('error')}")
+    return lib, SUPPORTED_DTYPES[v.dtype]
+
+
+def forward(q: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: bool):
+    """``q`` [d] or [M, d] (accumulation dtype), ``v`` [N, M, d] contiguous -> (out [M, d], lse [M, H])."""
+    lib, suf = _lib_for(v)
+    n, m, d = v.shape
+    out = torch.empty((m, d), dtype=v.dtype)
+    lse = torch.empty((m, heads), dtype=q.dtype)
+    rc = getattr(lib, f"attnres_fwd_{suf}")(
+        _ptr(v),
+        _ptr(q),
+        _ptr(out),
+        _ptr(lse),
+        n,
+        m,
+        d,
+        heads,
+        int(q.ndim == 1),
+        float(eps),
+        int(key_norm),
+        _threads(n * m * d),
+    )
+    if rc != 0:
+        raise MemoryError("depth attention (compiled): out of memory in the C kernel")
+    return out, lse
+
+
+def backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
+    """Gradients ``(dq like q, accumulation dtype; dv like v)`` given ``g = dL/dout`` [M, d]."""
+    lib, suf = _lib_for(v)
+    n, m, d = v.shape
+    dv = torch.empty_like(v) if need_dv else None
+    dq = torch.empty_like(q) if need_dq else None
+    rc = getattr(lib, f"attnres_bwd_{suf}")(
+        _ptr(v),
+        _ptr(q),
+        _ptr(lse),
+        _ptr(g),
+        _ptr(dv),
+        _ptr(dq),
+        n,
+        m,
+        d,
+        heads,
+        int(q.ndim == 1),
+        float(eps),
+        int(key_norm),
+        _threads(2 * n * m * d),
+    )
+    if rc != 0:
+        raise MemoryError("depth attention (compiled): out of memory in the C kernel")
+    return dq, dv

@@ -1,0 +1,302 @@
+"""Every depth-attention backend against the plain float64 reference, forward and backward.
+
+The triton backend runs on CUDA when there is one, otherwise through ``TRITON_INTERPRET=1`` on CPU
+with tiny shapes (skipped when triton is not installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+
+from attention_residuals.functional import depth_attention_reference  # noqa: E402
+from attention_residuals.kernels import (  # noqa: E402
+    BACKENDS,
+    autograd,
+    backend_status,
+    cpu,
+    depth_attention,
+    select_backend,
+)
+
+COMPILED_REASON = cpu.unavailable_reason("cpu", torch.float32)
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _device(backend: str) -> str:
+    return TRITON_DEVICE if backend == "triton" else "cpu"
+
+
+def _skip_unavailable(backend: str, dtype: torch.dtype = torch.float32) -> None:
+    if backend == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    reason = backend_status(_device(backend), dtype)[backend]
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _reference_grads(query, sources, grad, **kw):
+    """Forward and gradients of the float64 reference on float64 copies of the inputs."""
+    q = query.detach().double().requires_grad_()
+    v = sources.detach().double().requires_grad_()
+    out = depth_attention_reference(q, v, **kw)
+    dq, dv = torch.autograd.grad(out, (q, v), grad.double())
+    return out, dq, dv
+
+
+def _backend_grads(query, sources, grad, backend, **kw):
+    q = query.detach().clone().requires_grad_()
+    v = sources.detach().clone().requires_grad_()
+    out = depth_attention(q, v, backend=backend, **kw)
+    dq, dv = torch.autograd.grad(out, (q, v), grad)
+    return out, dq, dv
+
+
+def _inputs(n, batch, d, query_shape, dtype, device, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sources = (torch.randn(n, *batch, d, generator=gen, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    query = (torch.randn(*query_shape, generator=gen, dtype=torch.float64) * scale).to(
+        dtype if dtype != torch.bfloat16 else torch.float32
+    )
+    grad = torch.randn(*batch, d, generator=gen, dtype=torch.float64).to(dtype)
+    return query.to(device), sources.to(device), grad.to(device)
+
+
+def _assert_close(got, want, tol):
+    torch.testing.assert_close(got.double().cpu(), want.double().cpu(), atol=tol, rtol=tol)
+
+
+QUERY_SHAPES = {
+    "static": lambda b, d: (d,),
+    "input": lambda b, d: (*b, d),
+    "broadcast": lambda b, d: (b[0], 1, d),
+}
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled", "triton"])
+@pytest.mark.parametrize("query_kind", list(QUERY_SHAPES))
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (3, True), (1, False), (3, False)])
+def test_float32_matches_float64_reference(backend, query_kind, heads, key_norm):
+    _skip_unavailable(backend)
+    batch, d = (2, 3), 12  # d not a power of two
+    q, v, g = _inputs(4, batch, d, QUERY_SHAPES[query_kind](batch, d), torch.float32, _device(backend))
+    kw = dict(heads=heads, key_norm=key_norm)
+    want = _reference_grads(q, v, g, **kw)
+    got = _backend_grads(q, v, g, backend, **kw)
+    assert got[0].dtype == torch.float32 and got[0].shape == (*batch, d)
+    for a, b in zip(got, want, strict=True):
+        _assert_close(a, b, 2e-5)
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled"])
+@pytest.mark.parametrize("query_kind", list(QUERY_SHAPES))
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (2, True), (1, False)])
+def test_float64_exact(backend, query_kind, heads, key_norm):
+    _skip_unavailable(backend, torch.float64)
+    batch, d = (2, 3), 10
+    q, v, g = _inputs(5, batch, d, QUERY_SHAPES[query_kind](batch, d), torch.float64, "cpu", scale=3.0)
+    kw = dict(heads=heads, key_norm=key_norm)
+    for a, b in zip(_backend_grads(q, v, g, backend, **kw), _reference_grads(q, v, g, **kw), strict=True):
+        _assert_close(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled"])
+@pytest.mark.parametrize("query_kind", ["static", "broadcast"])
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (2, False)])
+def test_gradcheck(backend, query_kind, heads, key_norm):
+    _skip_unavailable(backend, torch.float64)
+    batch, d = (2, 2), 6
+    q, v, _ = _inputs(3, batch, d, QUERY_SHAPES[query_kind](batch, d), torch.float64, "cpu", scale=2.0)
+    q.requires_grad_()
+    v.requires_grad_()
+
+    def f(q, v):
+        return depth_attention(q, v, heads=heads, key_norm=key_norm, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, v), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "triton"])
+@pytest.mark.parametrize("query_kind", ["static", "input"])
+def test_bfloat16(backend, query_kind):
+    _skip_unavailable(backend, torch.bfloat16)
+    batch, d = (3, 2), 20
+    q, v, g = _inputs(5, batch, d, QUERY_SHAPES[query_kind](batch, d), torch.bfloat16, _device(backend))
+    # The reference sees the same bf16-rounded inputs (in float64): only the kernel's own rounding is left.
+    want = _reference_grads(q, v, g)
+    got = _backend_grads(q, v, g, backend)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    assert got[1].dtype == torch.float32  # the query keeps its dtype
+    for a, b in zip(got, want, strict=True):
+        scale = b.abs().max().item()
+        assert (a.double().cpu() - b.cpu()).abs().max().item() <= 1e-2 * scale + 1e-3
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled", "triton"])
+def test_single_source_is_identity_and_zero_query_is_mean(backend):
+    _skip_unavailable(backend)
+    dev = _device(backend)
+    q, v, g = _inputs(1, (2, 3), 7, (7,), torch.float32, dev)
+    out, dq, dv = _backend_grads(q, v, g, backend)
+    _assert_close(out, v[0], 1e-6)
+    _assert_close(dq, torch.zeros(7), 1e-6)  # one source: the weight is 1 whatever the query
+    _assert_close(dv[0], g, 1e-6)
+    v = torch.randn(5, 2, 3, 7, device=dev)
+    _assert_close(depth_attention(torch.zeros(7, device=dev), v, backend=backend), v.mean(0), 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled", "triton"])
+def test_unbatched_and_empty_batch(backend):
+    _skip_unavailable(backend)
+    dev = _device(backend)
+    q, v, g = _inputs(3, (), 5, (5,), torch.float32, dev)  # sources [N, d]: one token
+    for a, b in zip(_backend_grads(q, v, g, backend), _reference_grads(q, v, g), strict=True):
+        _assert_close(a, b, 2e-5)
+    v = torch.randn(3, 0, 5, device=dev, requires_grad=True)
+    qq = torch.randn(5, device=dev, requires_grad=True)
+    out = depth_attention(qq, v, backend=backend)
+    assert out.shape == (0, 5)
+    dq, dv = torch.autograd.grad(out.sum(), (qq, v))
+    assert dv.shape == v.shape and torch.equal(dq, torch.zeros_like(dq))
+
+
+def test_compiled_grouped_online_softmax_and_threads(monkeypatch):
+    """Rows too large for one tile: sources merged group by group (online softmax), several threads."""
+    _skip_unavailable("compiled", torch.float64)
+    monkeypatch.setattr(cpu, "_ELEMS_PER_THREAD", 1)  # force the multi-threaded split on tiny work
+    torch.set_num_threads(2)
+    d = 4096  # 9 float64 rows of 32 KiB exceed the 256 KiB tile: groups of 8 then 1
+    q, v, g = _inputs(9, (3,), d, (d,), torch.float64, "cpu", scale=0.5)
+    # make the max move between groups: the last source is the most aligned with the query
+    v[-1] = q * 40
+    for heads in (1, 2):
+        got = _backend_grads(q, v, g, "compiled", heads=heads)
+        want = _reference_grads(q, v, g, heads=heads)
+        for a, b in zip(got, want, strict=True):
+            _assert_close(a, b, 1e-10)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("query_kind", ["static", "input"])
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (2, False)])
+def test_triton_chunked_kernels(query_kind, heads, key_norm):
+    """Channel chunks smaller than a head: the two-pass forward and chunked backward."""
+    _skip_unavailable("triton")
+    from attention_residuals.kernels import triton_kernels
+
+    batch, d = (5,), 20
+    q, v, g = _inputs(4, batch, d, QUERY_SHAPES[query_kind](batch, d), torch.float32, TRITON_DEVICE)
+    out, lse = triton_kernels.forward(q.contiguous(), v.contiguous(), 1e-6, heads, key_norm, block_d=4)
+    dq, dv = triton_kernels.backward(q, v, lse, g, 1e-6, heads, key_norm, block_d=4)
+    want = _reference_grads(q, v, g, heads=heads, key_norm=key_norm)
+    for a, b in zip((out, dq, dv), want, strict=True):
+        _assert_close(a, b, 2e-5)
+
+
+def test_backward_saves_only_sources_query_and_scalars():
+    """What the Function keeps for backward: the inputs and one float32 scalar per token and head."""
+    q = torch.randn(8, requires_grad=True)
+    v = torch.randn(4, 2, 3, 8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for backend in ("fused",) + (("compiled",) if COMPILED_REASON is None else ()):
+            saved.clear()
+            depth_attention(q, v, heads=2, backend=backend)
+            extra = [t for t in saved if t.data_ptr() not in (q.data_ptr(), v.data_ptr())]
+            assert len(saved) == 3
+            assert [tuple(t.shape) for t in extra] == [(6, 2)] and extra[0].dtype == torch.float32
+
+
+BAD_INPUTS = [
+    (lambda: (torch.randn(4), torch.randn(0, 2, 4)), ValueError, "sources"),
+    (lambda: (torch.randn(5), torch.randn(3, 2, 4)), ValueError, "query"),
+    (lambda: (torch.randn(3, 4), torch.randn(3, 2, 4)), ValueError, "query"),
+    (lambda: (torch.randn(4), torch.randint(0, 3, (3, 2, 4))), TypeError, "sources"),
+    (lambda: (torch.randint(0, 3, (4,)), torch.randn(3, 2, 4)), TypeError, "query"),
+    (lambda: (torch.randn(4), torch.randn(4)), ValueError, "sources"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+@pytest.mark.parametrize("backend", ("auto",) + BACKENDS)
+def test_bad_inputs_raise_like_the_reference(case, backend):
+    make, exc, word = BAD_INPUTS[case]
+    with pytest.raises(exc, match=word) as ref_err:
+        depth_attention_reference(*make())
+    with pytest.raises(exc, match=word) as err:
+        depth_attention(*make(), backend=backend)
+    assert str(err.value) == str(ref_err.value)
+    with pytest.raises(ValueError, match="heads"):
+        depth_attention(torch.randn(6), torch.randn(2, 3, 6), heads=4, backend=backend)
+
+
+def test_dispatcher_choices(monkeypatch):
+    v32 = torch.randn(3, 2, 4)
+    assert select_backend(v32, "sigmoid") == "reference"
+    assert select_backend(v32, "sigmoid", "compiled") == "reference"
+    assert select_backend(v32, backend="fused") == "fused"
+    assert select_backend(v32) == ("compiled" if COMPILED_REASON is None else "fused")
+    assert select_backend(v32.half()) == "fused"  # no CPU half kernel
+    with pytest.raises(ValueError, match="backend"):
+        select_backend(v32, backend="cuda")
+    with pytest.raises(RuntimeError, match="compiled"):
+        select_backend(v32.half(), backend="compiled")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="triton"):
+        select_backend(v32, backend="triton")
+    with pytest.raises(RuntimeError, match="float64"):
+        select_backend(v32.double(), backend="triton")
+    # sigmoid runs the reference formula on every backend
+    q = torch.randn(4)
+    for backend in ("auto", "fused", "compiled"):
+        got = depth_attention(q, v32, normalize="sigmoid", backend=backend)
+        _assert_close(got, depth_attention_reference(q, v32, normalize="sigmoid"), 1e-6)
+    with pytest.raises(ValueError, match="normalize"):
+        depth_attention(q, v32, normalize="relu")
+
+
+def test_dtype_mix_and_noncontiguous():
+    """A float64 query with float32 sources, and transposed (non-contiguous) sources."""
+    base = torch.randn(2, 3, 4, 6).transpose(1, 2)  # [N=2, 4, 3, d=6], not contiguous
+    q = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    v = base.clone().requires_grad_()
+    for backend in ("fused", "compiled") if COMPILED_REASON is None else ("fused",):
+        out = depth_attention(q, base, backend=backend)
+        assert out.dtype == torch.float32
+        _assert_close(out, depth_attention_reference(q, base), 1e-5)
+        (dq,) = torch.autograd.grad(depth_attention(q, v, backend=backend).sum(), (q,))
+        assert dq.dtype == torch.float64
+
+
+def test_no_compiler_falls_back_to_fused():
+    code = (
+        "import torch; from attention_residuals.kernels import select_backend, depth_attention\n"
+        "v = torch.randn(3, 2, 4)\n"
+        "assert select_backend(v) == 'fused', select_backend(v)\n"
+        "depth_attention(torch.randn(4), v)\n"
+        "try:\n    select_backend(v, backend='compiled')\nexcept RuntimeError as e:\n    print(e)\n"
+    )
+    env = dict(os.environ, ATTNRES_NO_COMPILE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ATTNRES_NO_COMPILE" in proc.stdout
+
+
+def test_registered_backends_share_one_function():
+    assert set(BACKENDS) == {"reference", "fused", "compiled", "triton"}
+    assert "fused" in autograd._BACKENDS
