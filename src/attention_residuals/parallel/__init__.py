@@ -1,0 +1,43 @@
+"""Floor 5: torch.distributed for Attention Residuals.
+
+* :mod:`.dist` — process groups with timeouts, launcher detection, clear errors, local spawn.
+* :mod:`.pipeline` — pipeline parallel Block AttnRes, naive vs cross-stage-cached block traffic.
+* :mod:`.prefill` — hidden-dim sharded and sequence-chunked prefill of the block states.
+* :mod:`.data_parallel` — DDP wrapping and rank-0 checkpointing for ``torchrun`` training.
+"""
+
+from .dist import (
+    DistEnv,
+    DistributedError,
+    check_consistent,
+    destroy_distributed,
+    init_distributed,
+    launcher_env,
+    spawn,
+)
+from .pipeline import (
+    SCHEMES,
+    PipelineLayout,
+    PipelineParallel,
+    PipelineStats,
+    aligned_transfers,
+    derived_transfers,
+    report_transfers,
+)
+
+__all__ = [
+    "DistEnv",
+    "DistributedError",
+    "PipelineLayout",
+    "PipelineParallel",
+    "PipelineStats",
+    "SCHEMES",
+    "aligned_transfers",
+    "check_consistent",
+    "derived_transfers",
+    "destroy_distributed",
+    "init_distributed",
+    "launcher_env",
+    "report_transfers",
+    "spawn",
+]
