@@ -1,0 +1,185 @@
+"""Training loop: every rule trains, exact resume, run-directory rules, optimizers and schedules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attention_residuals import GPT, GPTConfig
+from attention_residuals.checkpoint import CheckpointError, read_checkpoint
+from attention_residuals.connections import RESIDUALS
+from attention_residuals.data import Corpus
+from attention_residuals.optim import LRSchedule, build_optimizer, split_params
+from attention_residuals.train import (
+    ConfigMismatchError,
+    RunError,
+    TrainConfig,
+    command_line,
+    config_from_args,
+    is_done,
+    make_config,
+    read_metrics,
+    train,
+)
+
+TEXT = "".join(f"def f{i}(x):\n    return x + {i % 17}\n\n" for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return Corpus.from_text(TEXT, val_fraction=0.1)
+
+
+def tiny(out, **kw):
+    base = dict(
+        n_layer=2, n_head=2, d_model=32, seq_len=32, batch_size=8, steps=20, warmup=2, lr=3e-3, min_lr=3e-4,
+        eval_interval=10, eval_batches=2, log_interval=5, progress=False, out=str(out),
+    )
+    base.update(kw)
+    return make_config(**base)
+
+
+# every rule of the report's ablation table; tiny models: L = 4 sublayers
+VARIANTS = [dict(residual=r) for r in RESIDUALS] + [
+    dict(residual="block", n_blocks=2),
+    dict(residual="full", query="input"),
+    dict(residual="full", normalize="sigmoid"),
+    dict(residual="full", heads=2),
+    dict(residual="full", key_norm=False),
+    dict(residual="block", block_size=2, key_norm=False),
+    dict(residual="block", block_size=3),  # L = 4 not divisible by S: the last partial sum is the last block
+    dict(residual="swa", window=2),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={v[k]}" for k in v))
+def test_every_rule_trains(tmp_path, corpus, variant):
+    s = train(tiny(tmp_path / "run", steps=30, eval_interval=30, lr=1e-2, **variant), corpus=corpus)
+    rows = read_metrics(tmp_path / "run")
+    first = next(r for r in rows if r["train_loss"] is not None)["train_loss"]
+    assert s["done"] and s["step"] == 30
+    assert s["final_train_loss"] < first - 0.8, (first, s["final_train_loss"])
+    assert s["final_val_loss"] < rows[0]["val_loss"] - 0.8
+
+
+def test_run_dir_layout_and_metrics(tmp_path, corpus):
+    s = train(tiny(tmp_path / "r"), corpus=corpus)
+    names = {p.name for p in (tmp_path / "r").iterdir()}
+    assert {"config.json", "metrics.jsonl", "checkpoint.safetensors", "summary.json"} <= names
+    rows = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in rows] == [0, 5, 10, 15, 20]
+    for r in rows:
+        assert {"step", "train_loss", "val_loss", "lr", "tokens", "tokens_per_s", "wall_s"} <= set(r)
+    assert rows[-1]["tokens"] == 20 * 8 * 32 and rows[2]["val_loss"] is not None and rows[1]["val_loss"] is None
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert cfg["model"]["d_model"] == 32 and cfg["train"]["steps"] == 20 and cfg["data"]["sha256"] == corpus.sha256
+    assert cfg["command"].startswith("attnres train ") and "--d-model 32" in cfg["command"]
+    assert s["done"] and is_done(tmp_path / "r") and s["params"] > 0 and s["tokens_per_s"] > 0
+    assert read_checkpoint(tmp_path / "r" / "checkpoint.safetensors")[1]["step"] == 20
+
+
+@pytest.mark.parametrize("optimizer,schedule", [("adamw", "cosine"), ("muon", "wsd")])
+def test_resume_is_exact(tmp_path, corpus, optimizer, schedule):
+    kw = dict(optimizer=optimizer, schedule=schedule, residual="block", n_blocks=2, steps=20)
+    train(tiny(tmp_path / "once", **kw), corpus=corpus)
+    half = train(tiny(tmp_path / "twice", stop_at=10, **kw), corpus=corpus)
+    assert not half["done"] and half["step"] == 10 and not is_done(tmp_path / "twice")
+    again = train(tiny(tmp_path / "twice", resume=True, **kw), corpus=corpus)
+    assert again["done"] and again["step"] == 20
+    a, b = read_metrics(tmp_path / "once"), read_metrics(tmp_path / "twice")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [(r["train_loss"], r["val_loss"], r["lr"], r["tokens"]) for r in a] == [
+        (r["train_loss"], r["val_loss"], r["lr"], r["tokens"]) for r in b
+    ]  # bit-for-bit
+    wa = read_checkpoint(tmp_path / "once" / "checkpoint.safetensors")[0]
+    wb = read_checkpoint(tmp_path / "twice" / "checkpoint.safetensors")[0]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if k.startswith("model/"))
+
+
+def test_resume_with_other_config_lists_fields(tmp_path, corpus):
+    train(tiny(tmp_path / "r", stop_at=5), corpus=corpus)
+    with pytest.raises(ConfigMismatchError) as e:
+        train(tiny(tmp_path / "r", resume=True, d_model=64, lr=1e-2), corpus=corpus)
+    msg = str(e.value)
+    assert "model.d_model" in msg and "train.lr" in msg and "config.json" in msg
+    other = Corpus.from_text(TEXT.replace("return", "yield"), val_fraction=0.1)
+    with pytest.raises(ConfigMismatchError, match="data.sha256"):
+        train(tiny(tmp_path / "r", resume=True), corpus=other)
+
+
+def test_finished_run_dir_rules(tmp_path, corpus):
+    out = tmp_path / "r"
+    train(tiny(out, steps=10), corpus=corpus)
+    with pytest.raises(RunError, match="--resume.*--overwrite"):
+        train(tiny(out, steps=10), corpus=corpus)
+    ck = out / "checkpoint.safetensors"
+    before = ck.stat().st_mtime_ns
+    s = train(tiny(out, steps=10, resume=True), corpus=corpus)  # a finished run is skipped
+    assert s["done"] and ck.stat().st_mtime_ns == before
+    s = train(tiny(out, steps=10, overwrite=True, seed=1), corpus=corpus)
+    assert s["done"] and json.loads((out / "config.json").read_text())["train"]["seed"] == 1
+
+
+def test_resume_falls_back_to_previous_checkpoint(tmp_path, corpus):
+    out = tmp_path / "r"
+    train(tiny(out, stop_at=10, eval_interval=5), corpus=corpus)  # checkpoints at 5 and 10
+    ck = out / "checkpoint.safetensors"
+    ck.write_bytes(ck.read_bytes()[:1000])  # newest checkpoint truncated on disk
+    s = train(tiny(out, resume=True, eval_interval=5), corpus=corpus)
+    assert s["done"]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 5, 10, 15, 20]  # rows past step 5 were rewritten once
+    # both checkpoints bad -> a clear error naming the files
+    train(tiny(tmp_path / "b", stop_at=10, eval_interval=5), corpus=corpus)
+    for name in ("checkpoint.safetensors", "checkpoint.prev.safetensors"):
+        (tmp_path / "b" / name).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="checkpoint.safetensors"):
+        train(tiny(tmp_path / "b", resume=True, eval_interval=5), corpus=corpus)
+
+
+def test_bad_configs_raise_naming_the_field(tmp_path, corpus):
+    with pytest.raises(ValueError, match="residual"):
+        train(tiny(tmp_path / "a", residual="nope"), corpus=corpus)
+    with pytest.raises(ValueError, match="block_size"):
+        train(tiny(tmp_path / "b", residual="block", block_size=99), corpus=corpus)  # L = 4
+    with pytest.raises(ValueError, match="seq_len"):
+        train(tiny(tmp_path / "c", seq_len=10_000), corpus=corpus)
+    with pytest.raises(ValueError, match="min_lr"):
+        train(tiny(tmp_path / "d", min_lr=1.0), corpus=corpus)
+    with pytest.raises(TypeError, match="unknown config field"):
+        make_config(no_such_field=1)
+    assert not (tmp_path / "a").exists()
+
+
+def test_config_routing_roundtrip_and_command_line(tmp_path):
+    cfg = make_config(residual="block", n_blocks=4, steps=7, lr=1e-3, out=str(tmp_path))
+    assert cfg.model.residual == "block" and cfg.model.n_blocks == 4 and cfg.steps == 7
+    back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg
+    cmd = command_line(cfg)
+    assert "--residual block" in cmd and "--n-blocks 4" in cmd and "--steps 7" in cmd and "--out" in cmd
+    parsed = config_from_args(cmd.split()[2:])
+    assert parsed.identity() == cfg.identity()
+    parsed = config_from_args(["--residual", "full", "--no-key-norm", "--block-size", "none", "--stop-at", "3"])
+    assert parsed.model.key_norm is False and parsed.model.block_size is None and parsed.stop_at == 3
+
+
+def test_param_groups_and_schedules():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, residual="full", query="input"))
+    split = split_params(model).names()
+    assert all(n.startswith("layers.") for n in split["matrices"]) and split["matrices"]
+    assert set(split["decay"]) == {"embed.weight", "lm_head.weight"}
+    assert any(n.startswith("residual.") for n in split["no_decay"])
+    assert all(n.startswith("residual.") or "norm" in n for n in split["no_decay"])
+    opt = build_optimizer(model, "adamw", weight_decay=0.1)
+    decays = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    assert decays["residual.queries"] == 0.0 and decays["embed.weight"] == 0.1
+    cos = LRSchedule("cosine", steps=100, warmup=10, min_ratio=0.1)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == 1.0 and cos(99) == pytest.approx(0.1)
+    assert all(cos(i) >= cos(i + 1) for i in range(10, 99))
+    wsd = LRSchedule("wsd", steps=100, warmup=10, min_ratio=0.0, decay_frac=0.2)
+    assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(80) < 1.0 and wsd(99) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="schedule"):
+        LRSchedule("linear", steps=10)
