@@ -1,0 +1,204 @@
+"""Hugging Face integration: AttnResConfig / AttnResForCausalLM, save/load, generate, export-hf."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from attention_residuals import cli  # noqa: E402
+from attention_residuals.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
+from attention_residuals.data import byte_encode  # noqa: E402
+from attention_residuals.hf import AttnResConfig, AttnResForCausalLM, export_hf, from_gpt, to_gpt  # noqa: E402
+from attention_residuals.model import GPT, GPTConfig  # noqa: E402
+
+
+def tiny(residual="block", **kw):
+    base = dict(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=40, residual=residual)
+    if residual == "block":
+        base["block_size"] = 3  # L = 4: blocks [0..2], [3] (a partial last block)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def trained_like(config: GPTConfig) -> GPT:
+    """A GPT whose depth parameters are not at their (trivially symmetric) zero init."""
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+@pytest.fixture
+def idx():
+    return torch.randint(0, 64, (2, 9))
+
+
+def test_config_aliases_and_validation(tmp_path):
+    c = AttnResConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, residual="full")
+    assert (c.d_model, c.n_layer, c.n_head, c.residual) == (48, 3, 4, "full")
+    assert c.hidden_size == 48 and c.num_hidden_layers == 3 and c.tie_word_embeddings is False
+    g = c.to_gpt_config()
+    assert g == GPTConfig(d_model=48, n_layer=3, n_head=4, residual="full")
+    c.save_pretrained(tmp_path)
+    back = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(back, AttnResConfig) and back.to_gpt_config() == g
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "attnres"
+    with pytest.raises(ValueError, match="residual"):
+        AttnResConfig(residual="nope")
+    with pytest.raises(ValueError, match="contradicts"):
+        AttnResConfig(hidden_size=32, d_model=64)
+
+
+@pytest.mark.parametrize("residual", ["block", "full", "prenorm", "mhc"])
+def test_from_pretrained_gives_identical_logits(tmp_path, idx, residual):
+    ours = trained_like(tiny(residual))
+    from_gpt(ours).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, AttnResForCausalLM)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx).logits, ours(idx), rtol=0, atol=0)
+    # parameter names are ours under "model."; back to a GPT bit for bit
+    assert set(loaded.state_dict()) == {f"model.{k}" for k in ours.state_dict()}
+    back = to_gpt(loaded)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_tied_embeddings_survive_the_round_trip(tmp_path, idx):
+    ours = trained_like(tiny("block", tie_embeddings=True))
+    from_gpt(ours).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.model.lm_head.weight.data_ptr() == loaded.model.embed.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx).logits, ours(idx), rtol=0, atol=0)
+
+
+def test_labels_give_the_shifted_next_token_loss(idx):
+    ours = trained_like(tiny())
+    hf = from_gpt(ours)
+    with torch.no_grad():
+        out = hf(idx, labels=idx)
+        _, ref = ours(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(out.loss, ref)
+    labels = idx.clone()
+    labels[:, :4] = -100
+    with torch.no_grad():
+        masked = hf(idx, labels=labels).loss
+        _, ref2 = ours(idx[:, :-1], torch.where(labels[:, 1:] == -100, -1, labels[:, 1:]))
+    torch.testing.assert_close(masked, ref2)
+
+
+def test_generate_greedy_equals_our_generate(tmp_path, idx):
+    ours = trained_like(tiny())
+    from_gpt(ours).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    expected = ours.generate(idx, 12, temperature=0)
+    assert torch.equal(ours.generate(idx, 12, temperature=0, use_cache=False), expected)
+    for kwargs in ({}, {"use_cache": False}, {"cache_implementation": "static"}):
+        got = hf.generate(idx, max_new_tokens=12, do_sample=False, **kwargs)
+        assert torch.equal(got, expected), kwargs
+    # beam search with one beam is greedy; several beams run (the cache is reordered by HF)
+    assert torch.equal(hf.generate(idx, max_new_tokens=5, num_beams=1, do_sample=False), expected[:, :14])
+    beams = hf.generate(idx, max_new_tokens=5, num_beams=3, do_sample=False)
+    assert beams.shape == (2, 14) and torch.equal(beams[:, :9], idx)
+
+
+def test_generate_sampling(idx):
+    hf = from_gpt(trained_like(tiny())).eval()
+    torch.manual_seed(1)
+    a = hf.generate(idx, max_new_tokens=10, do_sample=True, top_k=8, temperature=0.9)
+    torch.manual_seed(1)
+    b = hf.generate(idx, max_new_tokens=10, do_sample=True, top_k=8, temperature=0.9)
+    assert a.shape == (2, 19) and torch.equal(a, b) and torch.equal(a[:, :9], idx)
+    assert int(a.max()) < 64
+    # top_k=1 sampling is greedy
+    greedy = hf.generate(idx, max_new_tokens=6, do_sample=False)
+    assert torch.equal(hf.generate(idx, max_new_tokens=6, do_sample=True, top_k=1), greedy)
+
+
+def test_cache_forward_matches_full_forward(idx):
+    hf = from_gpt(trained_like(tiny())).eval()
+    with torch.no_grad():
+        full = hf(idx, use_cache=False).logits
+        first = hf(idx[:, :5], use_cache=True)
+        rest = hf(idx[:, 5:], cache=first.cache, use_cache=True)
+    torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), full, rtol=1e-5, atol=1e-5)
+    assert rest.cache.get_seq_length() == 9
+
+
+def test_padding_and_unsupported_inputs_are_rejected(idx):
+    hf = from_gpt(trained_like(tiny())).eval()
+    mask = torch.ones_like(idx)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padding"):
+        hf(idx, attention_mask=mask)
+    with pytest.raises(ValueError, match="padding"):
+        hf.generate(idx, attention_mask=mask, max_new_tokens=2)
+    hf(idx, attention_mask=torch.ones_like(idx))  # an all-ones mask is fine
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        hf(inputs_embeds=torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match="seq_len"):
+        hf.generate(idx, max_new_tokens=40, do_sample=False)
+
+
+def make_run(run_dir, model: GPT, tokenizer=None):
+    """A run directory as ``attnres train`` writes it (config.json + checkpoint.safetensors)."""
+    record = {"format": 1, "model": model.config.to_dict(), "train": {"steps": 1}, "data": {"tokenizer": "bytes"}}
+    if tokenizer is not None:
+        record["train"]["tokenizer"] = str(tokenizer)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(record))
+    identity = {k: record[k] for k in ("model", "train", "data")}
+    save_checkpoint(run_dir / "checkpoint.safetensors", model=model, step=1, config=identity)
+
+
+def test_export_hf_and_back_is_lossless(tmp_path, idx, capsys):
+    ours = trained_like(tiny("block", vocab_size=256))
+    make_run(tmp_path / "run", ours)
+    assert cli.main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=0, atol=0)
+    # a byte-level run ships the byte tokenizer: AutoTokenizer ids are our byte tokens
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def f(x):\n    return 'héllo ✓'"
+    assert tok.encode(text, add_special_tokens=False) == byte_encode(text)
+    # and back to a run directory: the same tensors, bit for bit
+    assert cli.main(["export-hf", "--import", str(tmp_path / "hf"), str(tmp_path / "run2")]) == 0
+    before, _ = read_checkpoint(tmp_path / "run" / "checkpoint.safetensors")
+    after, info = read_checkpoint(tmp_path / "run2" / "checkpoint.safetensors")
+    model_keys = {k for k in before if k.startswith("model/")}
+    assert model_keys == {k for k in after if k.startswith("model/")}
+    for k in model_keys:
+        assert before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]), k
+    assert GPTConfig.from_dict(info["config"]["model"]) == ours.config
+    record = json.loads((tmp_path / "run2" / "config.json").read_text())
+    assert GPTConfig.from_dict(record["model"]) == ours.config
+
+
+def test_export_hf_dtype_and_tokenizer(tmp_path, idx):
+    pytest.importorskip("tokenizers")
+    from attention_residuals.tokenizer import train_bpe
+
+    tok = train_bpe(["def foo(bar):\n    return bar + 1\n"] * 20, vocab_size=300, min_frequency=2)
+    tok.save_pretrained(tmp_path / "tok")
+    ours = trained_like(tiny("full", vocab_size=len(tok)))
+    make_run(tmp_path / "run", ours, tokenizer=tmp_path / "tok")
+    export_hf(tmp_path / "run", tmp_path / "hf", dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.model.embed.weight.dtype == torch.bfloat16
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "def foo(bar): return bar"
+    assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+
+
+def test_export_hf_errors_name_the_problem(tmp_path, capsys):
+    assert cli.main(["export-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "does not exist" in capsys.readouterr().err
