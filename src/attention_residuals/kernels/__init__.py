@@ -19,7 +19,9 @@ run raises ``RuntimeError`` saying why.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 
@@ -27,7 +29,7 @@ from ..functional import check_depth_inputs, depth_attention_reference
 from . import autograd as _autograd
 from . import cpu as _cpu
 
-__all__ = ["depth_attention", "BACKENDS", "backend_status", "select_backend"]
+__all__ = ["depth_attention", "BACKENDS", "backend_status", "select_backend", "use_backend"]
 
 BACKENDS = ("reference", "fused", "compiled", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,10 +78,32 @@ def backend_status(
     }
 
 
+_override = threading.local()
+
+
+@contextlib.contextmanager
+def use_backend(backend: str):
+    """Within the block, ``backend="auto"`` calls run ``backend`` instead (this thread only).
+
+    For models that call :func:`depth_attention` internally, e.g. to benchmark or debug a whole
+    model on the reference formula: ``with use_backend("reference"): model(idx)``.
+    """
+    if backend not in ("auto",) + BACKENDS:
+        raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    previous = getattr(_override, "backend", None)
+    _override.backend = None if backend == "auto" else backend
+    try:
+        yield
+    finally:
+        _override.backend = previous
+
+
 def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: str = "auto") -> str:
     """The backend :func:`depth_attention` would run for these arguments (raises if forced and unavailable)."""
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = getattr(_override, "backend", None) or "auto"
     if normalize != "softmax" or backend == "reference":
         return "reference"
     device, dtype = sources.device, sources.dtype

@@ -1,0 +1,68 @@
+"""`attnres bench` in --quick mode: the JSON it writes and the table it prints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attention_residuals import bench, cli
+
+
+def _run(capsys, tmp_path, *argv):
+    path = tmp_path / "out.json"
+    assert cli.main(["bench", *argv, "--quick", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data == json.loads(path.read_text())
+    return data, captured.err
+
+
+def test_bench_op_quick(capsys, tmp_path):
+    data, table = _run(capsys, tmp_path, "op")
+    assert data["bench"] == "op" and data["command"].startswith("attnres bench op")
+    assert data["roofline"]["fwd_ms"] > 0
+    assert data["roofline"]["fwdbwd_ms"] == pytest.approx(3 * data["roofline"]["fwd_ms"], rel=1e-2)
+    assert "loadavg_start" in data["machine"] and "loadavg_end" in data["machine"]
+    names = {r["name"] for r in data["results"]}
+    assert {"attention_residuals[fused]", "attention_residuals[reference]"} <= names
+    for r in data["results"]:
+        assert r["fwd"]["best_ms"] > 0 and r["fwdbwd"]["best_ms"] > 0
+        assert len(r["fwd"]["all_ms"]) == data["config"]["repeats"]
+        assert r["fwd_ratio"] == pytest.approx(data["roofline"]["fwd_ms"] / r["fwd"]["best_ms"], rel=1e-2)
+        if r["kind"] == "ours":
+            assert r["max_abs_err_vs_float64"] < 1e-4
+    for s in data["skipped"]:  # every skipped case says why
+        assert s["reason"]
+    assert "roofline" in table and "fwd ratio" in table
+
+
+def test_bench_model_and_memory_quick(capsys, tmp_path):
+    data, table = _run(capsys, tmp_path, "model")
+    kinds = {(r["kind"], r["variant"], r["schedule"]) for r in data["results"]}
+    assert ("train", "block", None) in kinds and ("prefill", "block", "two_phase") in kinds
+    assert not data["failed"]
+    base = [r for r in data["results"] if r["variant"] == "prenorm"]
+    assert all(r["ratio_vs_prenorm"] == 1.0 for r in base)
+    data, table = _run(capsys, tmp_path, "memory")
+    assert {r["variant"] for r in data["activation_memory"]} >= {"prenorm", "block", "full", "mhc"}
+    assert all(r["saved_activation_MiB"] > 0 for r in data["activation_memory"])
+    typical = data["io_report_typical"]["per_layer_d"]
+    assert typical["block_two_phase"]["total"] == pytest.approx(5.5)  # the report's table 1
+    assert typical["full_two_phase"]["total"] == pytest.approx(24.0)  # (S + N) d, appendix B
+
+
+def test_bench_usage_and_unknown(capsys):
+    assert bench.main([]) == 0
+    out = capsys.readouterr().out
+    for name in bench.SUBCOMMANDS:
+        assert name in out
+    assert bench.main(["nope"]) == 2
+    assert "unknown subcommand" in capsys.readouterr().err
+
+
+def test_io_per_layer_formulas():
+    io = bench.io_per_layer(128, 8)["per_layer_d"]
+    assert io["block_two_phase"]["reads"] == pytest.approx(8 / 16 + 3)
+    assert io["full_two_phase"]["reads"] == pytest.approx(16 + 8 - 2)
+    assert io["mhc_m4"]["total"] == 34.0
