@@ -334,19 +334,22 @@ def to_gpt(model: AttnResForCausalLM) -> GPT:
     return gpt.train(model.training)
 
 
-def _read_run(run_dir: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict]:
-    """Model config, model weights and run config of a run directory."""
+def _read_run(run_dir: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict, int]:
+    """Model config, model weights, run config and step of a run directory."""
     from .checkpoint import read_checkpoint
 
     ckpt = run_dir / "checkpoint.safetensors"
     tensors, info = read_checkpoint(ckpt)
-    run_config = info.get("config") or {}
     config_json = run_dir / "config.json"
-    if not run_config and config_json.is_file():
-        run_config = json.loads(config_json.read_text())
+    record = json.loads(config_json.read_text()) if config_json.is_file() else {}
+    saved = info.get("config") or {}
+    run_config = {**record, **saved}  # the checkpoint's own config wins, section by section
+    for key, section in saved.items():
+        if isinstance(section, dict) and isinstance(record.get(key), dict):
+            run_config[key] = {**record[key], **section}
     model_cfg = _model_config_of(run_config, where=str(ckpt))
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    return model_cfg, weights, run_config
+    return model_cfg, weights, run_config, info["step"]
 
 
 def _model_config_of(run_config: dict, where: str) -> GPTConfig:
@@ -363,7 +366,7 @@ def _model_config_of(run_config: dict, where: str) -> GPTConfig:
 def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
     """Convert a run directory (``config.json`` + ``checkpoint.safetensors``) to an HF model folder."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    gpt_cfg, weights, run_config = _read_run(run_dir)
+    gpt_cfg, weights, run_config, step = _read_run(run_dir)
     config = AttnResConfig.from_gpt_config(gpt_cfg, architectures=["AttnResForCausalLM"])
     model = AttnResForCausalLM(config)
     model.model.load_state_dict(weights, strict=True)
@@ -371,18 +374,27 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
         model.to(dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    _export_tokenizer(run_config, gpt_cfg, out_dir)
+    note = _export_tokenizer(run_config, gpt_cfg, out_dir)
+    (out_dir / "attnres_export.json").write_text(
+        json.dumps({"run_dir": str(run_dir.resolve()), "step": step, "tokenizer": note}, indent=1)
+    )
     return out_dir
 
 
-def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig, out_dir: Path) -> None:
+def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig, out_dir: Path) -> str:
+    """Save the run's tokenizer next to the model; returns what was done (for the CLI)."""
     from . import tokenizer as tok
+    from .data import BYTE_TOKENIZER
 
     path = tok.tokenizer_path_of(run_config)
+    used = (run_config.get("data") or {}).get("tokenizer", BYTE_TOKENIZER)
     if path is not None:
         tok.load_tokenizer(path).save_pretrained(out_dir)
-    elif gpt_cfg.vocab_size >= 256:
+        return f"tokenizer from {path}"
+    if used == BYTE_TOKENIZER and gpt_cfg.vocab_size >= 256:
         tok.byte_tokenizer().save_pretrained(out_dir)
+        return "byte tokenizer"
+    return f"no tokenizer (the run used {used!r} but its config records no tokenizer path)"
 
 
 def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
@@ -425,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         else:
             out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype))
-            print(f"wrote {out} (load with: import attention_residuals.hf; AutoModelForCausalLM.from_pretrained)")
+            note = json.loads((out / "attnres_export.json").read_text())["tokenizer"]
+            print(f"wrote {out} with {note}")
+            print("load it with: import attention_residuals.hf; AutoModelForCausalLM.from_pretrained(...)")
     except (OSError, ValueError, RuntimeError) as e:
         print(f"attnres export-hf: error: {e}", file=sys.stderr)
         return 1

@@ -39,6 +39,7 @@ __all__ = [
     "byte_tokenizer",
     "corpus_texts",
     "load_encoder",
+    "load_tokenized_corpus",
     "load_tokenizer",
     "main",
     "tokenizer_id",
@@ -167,6 +168,35 @@ def load_encoder(path: str | os.PathLike) -> TokenizerHook:
     )
 
 
+def load_tokenized_corpus(
+    tokenizer: str | os.PathLike,
+    data: str | os.PathLike | None = None,
+    *,
+    vocab_size: int | None = None,
+    val_fraction: float | None = None,
+    cache_dir: str | os.PathLike | None = None,
+):
+    """``(Corpus, TokenizerHook)``: :func:`attention_residuals.data.load_corpus` on ``data`` with
+    the tokenizer saved at ``tokenizer`` (the glue ``attnres train --tokenizer PATH`` needs).
+
+    ``vocab_size`` is the model's (default: the tokenizer's); it must hold every token id.
+    The token cache is keyed by the tokenizer's content (:func:`tokenizer_id`).
+    """
+    from . import data as d
+
+    hook = load_encoder(tokenizer)
+    vocab = hook.vocab_size if vocab_size is None else vocab_size
+    if vocab < hook.vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab} is smaller than the vocabulary of --tokenizer {str(tokenizer)!r} ({hook.vocab_size})"
+        )
+    corpus = d.load_corpus(
+        data, encode=hook.encode, vocab_size=vocab, tokenizer_id=hook.tokenizer_id,
+        val_fraction=d.DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction, cache_dir=cache_dir,
+    )
+    return corpus, hook
+
+
 def tokenizer_path_of(run_config: dict) -> Path | None:
     """The tokenizer folder a run was trained with (``train.tokenizer`` in its config), if any."""
     train = run_config.get("train") if isinstance(run_config.get("train"), dict) else {}
@@ -214,7 +244,7 @@ def _train_command(args: argparse.Namespace) -> int:
         "min_frequency": args.min_frequency,
         "special_tokens": args.special_tokens,
         "data": args.data or "stdlib",
-        "val_fraction": args.val_fraction,
+        "val_fraction": args.val_fraction if args.val_fraction is not None else _default_val_fraction(),
         "documents": len(texts),
         "characters": sum(len(t) for t in texts),
         "tokenizer_id": tokenizer_id(out),
@@ -226,6 +256,12 @@ def _train_command(args: argparse.Namespace) -> int:
     ratio = f", {len(sample.encode()) / n:.2f} bytes/token on a sample" if n else ""
     print(f"wrote {out} (vocab {len(tok)}{ratio}); use it with: attnres train --tokenizer {out}")
     return 0
+
+
+def _default_val_fraction() -> float:
+    from .data import DEFAULT_VAL_FRACTION
+
+    return DEFAULT_VAL_FRACTION
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,145 @@
+"""Byte-level BPE tokenizers in HF format: training, round trips, the byte tokenizer, corpus glue."""
+
+import json
+
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from attention_residuals import cli  # noqa: E402
+from attention_residuals.data import byte_decode, byte_encode  # noqa: E402
+from attention_residuals.tokenizer import (  # noqa: E402
+    EOT,
+    byte_tokenizer,
+    corpus_texts,
+    load_encoder,
+    load_tokenized_corpus,
+    tokenizer_id,
+    train_bpe,
+)
+
+WORDS = ["value", "count", "name", "index", "total", "result", "buffer", "item", "key", "size", "text", "node"]
+CODE = "".join(
+    f"def {WORDS[i % 12]}_{WORDS[i * 5 % 12]}_{i}({WORDS[i * 7 % 12]}):\n"
+    f"    return {WORDS[i * 7 % 12]} * {i} + len('héllo {WORDS[i % 5]}')\n\n"
+    for i in range(200)
+)
+
+SAMPLES = [
+    "",
+    " ",
+    "def f(x):\n    return x\n",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnew\r\nlines\n\n",
+    "héllo wörld — ünïcödé",
+    "日本語のテキスト, 中文, 한국어",
+    "emoji 🎉👩‍👩‍👧 and a combining e\u0301",
+    "\x00\x01 control \x7f bytes",
+    "never seen in training: ξψζ ∮ ∯",
+    EOT + "after the end-of-text token",
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    tok = train_bpe([CODE], vocab_size=400, min_frequency=2)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_training_learns_merges_and_saves_hf_format(saved):
+    assert (saved / "tokenizer.json").is_file() and (saved / "tokenizer_config.json").is_file()
+    tok = AutoTokenizer.from_pretrained(saved)
+    assert 300 < len(tok) <= 400 and tok.eos_token == EOT and tok.convert_tokens_to_ids(EOT) == 0
+    line = CODE.splitlines()[0]
+    assert len(tok.encode(line, add_special_tokens=False)) < len(line.encode()) / 2  # merges compress
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip(saved, text):
+    tok = AutoTokenizer.from_pretrained(saved)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < len(tok) for i in ids)
+    hook = load_encoder(saved)
+    assert hook.encode(text) == ids and hook.decode(ids) == text
+
+
+def test_empty_string_and_batch(saved):
+    tok = AutoTokenizer.from_pretrained(saved)
+    assert tok.encode("", add_special_tokens=False) == []
+    assert tok.decode([]) == ""
+    batch = tok(SAMPLES[2:5])["input_ids"]
+    assert [tok.decode(ids) for ids in batch] == SAMPLES[2:5]
+
+
+def test_byte_tokenizer_is_our_byte_encoding(tmp_path):
+    tok = byte_tokenizer()
+    assert len(tok) == 256
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    every_char = "".join(chr(i) for i in range(1, 0x800)) + "🎉"
+    for text in SAMPLES + [every_char]:
+        ids = loaded.encode(text, add_special_tokens=False)
+        assert ids == byte_encode(text)
+        assert loaded.decode(ids) == text == byte_decode(ids)
+
+
+def test_train_arguments_are_checked():
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_bpe(["abc"], vocab_size=200)
+    with pytest.raises(ValueError, match="min_frequency"):
+        train_bpe(["abc"], vocab_size=300, min_frequency=0)
+
+
+def test_cli_trains_on_the_training_split(tmp_path, capsys):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    for i in range(20):
+        (data / f"f{i:02d}.py").write_text(CODE[i * 200 : (i + 1) * 200 + 400])
+    out = tmp_path / "tok"
+    rc = cli.main(["tokenizer", "train", "--data", str(data), "--out", str(out), "--vocab-size", "320"])
+    assert rc == 0 and "attnres train --tokenizer" in capsys.readouterr().out
+    info = json.loads((out / "attnres_tokenizer.json").read_text())
+    assert info["vocab_size"] == 320 and info["tokenizer_id"] == tokenizer_id(out)
+    assert info["documents"] == len(list(corpus_texts(str(data)))) < 20  # validation files held out
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok.encode(CODE[:300], add_special_tokens=False)) == CODE[:300]
+    assert cli.main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(out)]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def test_tokenized_corpus_feeds_training(tmp_path, saved):
+    """The glue for ``attnres train --tokenizer``: a corpus of BPE ids that decodes to the text, and a
+    GPT trained on it exports to HF with that tokenizer."""
+    from attention_residuals.train import make_config, train
+
+    text_file = tmp_path / "code.py"
+    text_file.write_text(CODE)
+    corpus, hook = load_tokenized_corpus(saved, str(text_file), cache_dir=tmp_path / "cache")
+    assert corpus.vocab_size == hook.vocab_size == len(AutoTokenizer.from_pretrained(saved))
+    assert corpus.tokenizer == tokenizer_id(saved)
+    decoded = hook.decode(corpus.train.tolist()) + hook.decode(corpus.val.tolist())
+    assert decoded == CODE
+    with pytest.raises(ValueError, match="vocab-size"):
+        load_tokenized_corpus(saved, str(text_file), vocab_size=hook.vocab_size - 1, cache_dir=tmp_path / "cache")
+    cfg = make_config(
+        vocab_size=corpus.vocab_size, n_layer=1, n_head=2, d_model=16, seq_len=16, residual="block", batch_size=2,
+        steps=2, warmup=1, eval_interval=2, eval_batches=1, log_interval=1, progress=False, out=str(tmp_path / "run"),
+    )
+    summary = train(cfg, corpus=corpus)
+    assert summary["done"]
+    # record the tokenizer as `attnres train --tokenizer` is to (train.tokenizer), then export
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["data"]["tokenizer"] == hook.tokenizer_id
+    record["train"]["tokenizer"] = str(saved)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    from attention_residuals.hf import export_hf
+
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.encode(CODE[:100], add_special_tokens=False) == hook.encode(CODE[:100])
