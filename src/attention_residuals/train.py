@@ -43,6 +43,7 @@ from .connections import RESIDUALS
 from .data import Corpus, eval_batches, get_batch, load_corpus
 from .model import GPT, GPTConfig
 from .optim import OPTIMIZERS, SCHEDULES, LRSchedule, build_optimizer, build_scheduler, clip_grad_norm
+from .parallel import data_parallel as _dp
 
 __all__ = [
     "ConfigMismatchError",
@@ -359,12 +360,21 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     with another config, and ``CheckpointError`` when no good checkpoint is left.
     """
     cfg.validate()
+    env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
+    try:
+        return _train(cfg, corpus, env)
+    finally:
+        _dp.teardown()
+
+
+def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
     out = Path(cfg.out)
-    device = resolve_device(cfg.device)
-    if corpus is None:
-        corpus = load_corpus(
+    device = _dp.device_for(env, resolve_device(cfg.device))
+    main = env.is_main  # only rank 0 writes the run directory
+    if corpus is None:  # rank 0 first: it fills the token cache the other ranks then read
+        corpus = _dp.main_first(env, lambda: load_corpus(
             cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir
-        )
+        ))
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}")
     corpus.check_fits(cfg.model.seq_len)
@@ -373,10 +383,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
 
     ckpt_path = out / CHECKPOINT_FILE
     cfg_path = out / CONFIG_FILE
-    resuming = False
+    resuming = clear = False
     if cfg_path.exists():
         if cfg.overwrite:
-            _clear_run(out)
+            clear = True
         elif not cfg.resume:
             summary = load_summary(out)
             state = "a finished run" if summary and summary.get("done") else "a run"
@@ -401,10 +411,12 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
                 _log(f"{out}: already finished ({cfg.steps} steps), nothing to do")
                 return summary
             resuming = ckpt_path.exists() or previous_path(ckpt_path).exists()
-            if not resuming:
-                _clear_run(out)  # config written but no checkpoint yet: start over
+            clear = not resuming  # config written but no checkpoint yet: start over
     elif cfg.resume:
         _log(f"{out}: nothing to resume, starting a new run")
+    _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
+    if clear and main:
+        _clear_run(out)
 
     _seed_everything(cfg.seed)
     model = GPT(cfg.model).to(device)
@@ -422,9 +434,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         for w in warnings:
             _log(f"warning: {w}")
         start, extra = info["step"], info["extra"]
-        _truncate_metrics(out, start)
+        if main:
+            _truncate_metrics(out, start)
         _log(f"{out}: resuming at step {start}/{cfg.steps}")
-    else:
+    elif main:
         out.mkdir(parents=True, exist_ok=True)
         record = {"format": RUN_FORMAT, **cfg.to_dict(), "data": corpus.info(), "command": command_line(cfg)}
         _write_json(cfg_path, record)
@@ -432,8 +445,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         with contextlib.suppress(FileNotFoundError):
             (out / SUMMARY_FILE).unlink()
 
-    T, B, A = cfg.model.seq_len, cfg.batch_size, cfg.grad_accum
-    rank, world_size = 0, 1
+    T, B, A = cfg.model.seq_len, _dp.local_batch(cfg.batch_size, env), cfg.grad_accum
+    rank, world_size = env.rank, env.world_size
+    net = _dp.wrap(model, env)
     tokens_per_step = B * T * A * world_size
     tokens = int(extra.get("tokens", 0))
     wall0 = float(extra.get("wall_s", 0.0))
@@ -448,18 +462,21 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     def wall() -> float:
         return wall0 + time.perf_counter() - t_start
 
-    metrics_f = open(out / METRICS_FILE, "a")
+    metrics_f = open(out / METRICS_FILE, "a") if main else contextlib.nullcontext()
 
     def write_row(row: dict) -> None:
-        metrics_f.write(json.dumps(row) + "\n")
-        metrics_f.flush()
+        if main:
+            metrics_f.write(json.dumps(row) + "\n")
+            metrics_f.flush()
 
     def evaluate() -> float:
         return estimate_loss(
-            model, corpus.val, n_batches=cfg.eval_batches, batch_size=B, seq_len=T, device=device, dtype=cfg.dtype
+            model, corpus.val, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, seq_len=T, device=device, dtype=cfg.dtype
         )
 
     def checkpoint(step: int) -> None:
+        if not main:
+            return
         save_checkpoint(
             ckpt_path, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
             config=identity, keep_previous=True,
@@ -477,7 +494,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
             last_val = best_val = evaluate()
             write_row({"step": 0, "train_loss": None, "val_loss": last_val, "lr": scheduler.get_last_lr()[0],
                        "tokens": 0, "tokens_per_s": None, "wall_s": round(wall(), 3)})
-        bar = _progress(cfg, start, end, out)
+        bar = _progress(cfg, start, end, out) if main else None
         model.train()
         for step in range(start, end):
             lr = scheduler.get_last_lr()[0]
@@ -486,15 +503,16 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
             for micro in range(A):
                 x, y = get_batch(corpus.train, B, T, seed=cfg.seed, step=step * A + micro, rank=rank,
                                  world_size=world_size, device=device)
-                with _autocast(device, cfg.dtype):
-                    _, loss = model(x, y)
-                (loss / A).backward()
+                with _dp.sync_context(net, micro == A - 1):  # DDP: all-reduce on the last one only
+                    with _autocast(device, cfg.dtype):
+                        _, loss = net(x, y)
+                    (loss / A).backward()
                 loss_sum += loss.detach()
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            last_train = float(loss_sum) / A
+            last_train = float(_dp.mean(loss_sum, env)) / A
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -526,7 +544,8 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         if bar is not None:
             bar.close()
     finally:
-        metrics_f.close()
+        if main:
+            metrics_f.close()
 
     final_step = max(start, end)
     summary = {
@@ -549,7 +568,10 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         "corpus": corpus.info(),
         "command": command_line(cfg),
     }
-    _write_json(out / SUMMARY_FILE, summary)
+    if main:
+        summary["world_size"] = world_size
+        _write_json(out / SUMMARY_FILE, summary)
+    _dp.barrier(env)
     return summary
 
 
@@ -690,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RunError, CheckpointError) as e:
         print(f"attnres train: error: {e}", file=sys.stderr)
         return 2
+    if not _dp.is_main():
+        return 0
     print(json.dumps({k: summary[k] for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
                                               "params", "tokens_per_s", "wall_s")}))
     return 0

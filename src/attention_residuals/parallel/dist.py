@@ -28,6 +28,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import socket
 import tempfile
 import time
 import traceback
@@ -241,13 +242,24 @@ def check_consistent(value: Any, what: str, group=None) -> None:
 # --------------------------------------------------------------------------- local multi-process runs
 
 
-def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float,
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, init: str, backend: str, timeout_s: float,
             fn: Callable[..., Any], args: tuple, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
-        init_distributed(backend, rank=rank, world_size=world_size, init_method=f"file://{init_file}",
-                         timeout_s=timeout_s)
+        if init.startswith("env:"):  # what torchrun does: the group is left to the program
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=init.removeprefix("env:"), ATTNRES_DIST_TIMEOUT=str(timeout_s))
+        else:
+            init_distributed(backend, rank=rank, world_size=world_size, init_method=f"file://{init}",
+                             timeout_s=timeout_s)
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles that die with this process
@@ -261,7 +273,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
           timeout_s: float = 60.0, group_timeout_s: float | None = None,
-          ranks: list[int] | None = None, start_method: str | None = None) -> list[Any]:
+          ranks: list[int] | None = None, start_method: str | None = None,
+          launcher: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new local processes, each inside a
     ``backend`` process group (file rendezvous, so no port is needed), and return the results
     ordered by rank. ``fn`` must be importable (module level) and its result picklable.
@@ -271,7 +284,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     ``group_timeout_s`` is the process-group timeout (default: ``timeout_s / 2``). ``ranks``
     starts only those ranks (to test what a missing rank does). ``start_method``: ``"fork"``
     where available (no second import of torch: a rank starts in milliseconds), else ``"spawn"``;
-    with ``"spawn"`` ``fn`` must be importable by module path.
+    with ``"spawn"`` ``fn`` must be importable by module path. ``launcher=True`` does what
+    ``torchrun`` does instead of creating the group: it sets ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` and leaves :func:`init_distributed` to ``fn``.
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
@@ -284,7 +299,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     os.close(fd)
     os.remove(init_file)  # FileStore creates it; a stale file would confuse the rendezvous
     started = list(range(world_size) if ranks is None else ranks)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, backend, group_timeout, fn, args, results),
+    init = f"env:{_free_port()}" if launcher else init_file
+    procs = [ctx.Process(target=_worker, args=(r, world_size, init, backend, group_timeout, fn, args, results),
                          daemon=True) for r in started]
     for p in procs:
         p.start()

@@ -1,0 +1,132 @@
+"""Data parallel training under ``torchrun``: the hooks ``train.py`` calls.
+
+``torchrun --nproc-per-node K -m attention_residuals.train ...`` (or ``attnres train`` started
+by any launcher that sets ``RANK`` / ``WORLD_SIZE``) makes :func:`setup` create the process group
+(gloo on CPU, NCCL on CUDA; with a timeout, see :mod:`.dist`). Then:
+
+* ``--batch-size`` stays the **global** micro-batch: each rank reads its own
+  ``batch_size / K`` rows of it (:func:`local_batch`; ``data.get_batch(..., rank, world_size)``
+  draws the global batch from ``(seed, step)`` and slices it), so a ``K``-rank run sees exactly
+  the batches of the single-process run, and its config (the run's identity) does not depend
+  on ``K``: a checkpoint resumes with any world size that divides the batch.
+* the model is wrapped in ``DistributedDataParallel`` (:func:`wrap`), which averages the
+  gradients: with equal shards the average of the ranks' mean losses is the global mean, so
+  losses and updates equal the single-process run's to float tolerance. Gradient accumulation
+  skips the all-reduce on all but the last micro-batch (:func:`sync_context`).
+* the logged loss is the mean over ranks (:func:`mean`); only rank 0 writes the run directory
+  (config, metrics, checkpoints, summary: saved once); every rank reads the checkpoint to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .dist import DistEnv, destroy_distributed, guarded, init_distributed, launcher_env
+
+__all__ = [
+    "barrier", "device_for", "is_main", "local_batch", "main_first", "mean", "setup", "sync_context", "teardown", "wrap",
+]
+
+T = TypeVar("T")
+
+
+def setup(device: str = "auto") -> DistEnv:
+    """Join the launcher's process group (creating it if needed), or ``DistEnv()`` for a single
+    process. ``device`` (``"cpu"``, ``"cuda"``, ``"auto"``) picks NCCL or gloo."""
+    if dist.is_available() and dist.is_initialized():
+        return init_distributed()
+    env = launcher_env()
+    if env is None:
+        return DistEnv()
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
+    created = init_distributed(backend)
+    _created.append(True)
+    return created
+
+
+_created: list[bool] = []  # setup() created the default group: teardown() destroys it
+
+
+def teardown() -> None:
+    """Destroy the process group if :func:`setup` created it."""
+    if _created:
+        _created.clear()
+        destroy_distributed()
+
+
+def device_for(env: DistEnv, resolved: torch.device) -> torch.device:
+    """``cuda:<local_rank>`` for a CUDA run with several local ranks, else ``resolved``."""
+    if env.distributed and resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", env.local_rank)
+    return resolved
+
+
+def local_batch(batch_size: int, env: DistEnv) -> int:
+    """This rank's rows of the global micro-batch ``batch_size`` (must divide evenly)."""
+    if batch_size % env.world_size:
+        raise ValueError(
+            f"batch_size: the global batch of {batch_size} sequences does not split over "
+            f"world_size={env.world_size} data-parallel ranks; use a multiple of {env.world_size}"
+        )
+    return batch_size // env.world_size
+
+
+def wrap(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` when there are several ranks, else ``model``."""
+    if env.world_size == 1:
+        return model
+    ids = [model.lm_head.weight.device.index] if model.lm_head.weight.device.type == "cuda" else None
+    with guarded("DistributedDataParallel setup (parameter broadcast)"):
+        return DistributedDataParallel(model, device_ids=ids)
+
+
+def sync_context(net: torch.nn.Module, sync: bool):
+    """``net.no_sync()`` unless ``sync`` (the last micro-batch of an accumulated step)."""
+    if sync or not isinstance(net, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return net.no_sync()
+
+
+def mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """The mean of ``value`` over the ranks (the value itself for a single process)."""
+    if env.world_size == 1:
+        return value
+    out = value.detach().clone().float()
+    with guarded("all-reduce of the training loss"):
+        dist.all_reduce(out)
+    return out / env.world_size
+
+
+def barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        with guarded("barrier"):
+            dist.barrier()
+
+
+def main_first(env: DistEnv, fn: Callable[[], T]) -> T:
+    """``fn()`` on rank 0, then on the other ranks (e.g. rank 0 fills a cache the others read).
+    Rank 0 reaches the barrier even when ``fn`` raises, so the others do not wait for nothing."""
+    if env.world_size == 1:
+        return fn()
+    if env.is_main:
+        try:
+            return fn()
+        finally:
+            barrier(env)
+    barrier(env)
+    return fn()
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a single process), also after the group is gone."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    env = launcher_env()
+    return env is None or env.rank == 0

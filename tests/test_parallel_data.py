@@ -1,0 +1,92 @@
+"""Data parallel training (DDP over gloo processes) equals the single-process run; resumes on any world size."""
+
+import json
+
+import pytest
+import torch
+
+from attention_residuals.checkpoint import read_checkpoint
+from attention_residuals.data import Corpus
+from attention_residuals.parallel import DistributedError, spawn
+from attention_residuals.train import main, make_config, read_metrics, train
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
+
+
+def tiny(out, **kw):
+    base = dict(n_layer=2, n_head=2, d_model=32, seq_len=16, batch_size=4, grad_accum=2, steps=6, warmup=1,
+                eval_interval=3, eval_batches=2, log_interval=1, progress=False, residual="block", block_size=2,
+                out=str(out))
+    base.update(kw)
+    return make_config(**base)
+
+
+def _train(rank, world, out, kw):
+    torch.set_num_threads(1)
+    summary = train(tiny(out, **kw), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    return summary["final_train_loss"]
+
+
+def losses(run):
+    return [(r["step"], r["train_loss"], r["val_loss"]) for r in read_metrics(run)]
+
+
+def assert_same_run(a, b):
+    ra, rb = losses(a), losses(b)
+    assert [r[0] for r in ra] == [r[0] for r in rb]  # one row per step: rank 0 alone wrote metrics
+    for (_, ta, va), (_, tb, vb) in zip(ra, rb, strict=True):
+        assert ta == pytest.approx(tb, rel=1e-5, abs=1e-6) if ta is not None else tb is None
+        assert va == pytest.approx(vb, rel=1e-5, abs=1e-6) if va is not None else vb is None
+    wa, ia = read_checkpoint(a / "checkpoint.safetensors")
+    wb, ib = read_checkpoint(b / "checkpoint.safetensors")
+    assert ia["step"] == ib["step"]
+    for k in wa:
+        if k.startswith("model/"):
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    train(tiny(out, progress=False), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    return out
+
+
+def test_ddp_equals_single_process(tmp_path, single):
+    out = tmp_path / "ddp"
+    finals = spawn(_train, 2, str(out), {}, timeout_s=120)
+    assert finals[0] == finals[1]  # every rank reports the global mean loss
+    assert_same_run(out, single)
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in single.iterdir())
+
+
+def test_resume_with_another_world_size(tmp_path, single):
+    """4 ranks train 3 steps (checkpoint written once, by rank 0); 2 ranks, then 1, resume."""
+    out = tmp_path / "run"
+    spawn(_train, 4, str(out), {"stop_at": 3}, timeout_s=120)
+    spawn(_train, 2, str(out), {"stop_at": 5, "resume": True}, timeout_s=120)
+    train(tiny(out, resume=True), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    assert_same_run(out, single)
+
+
+def _cli(rank, world, argv):
+    return main(argv)
+
+
+def test_attnres_train_detects_the_launcher(tmp_path, single):
+    """RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as torchrun sets them: `attnres train` runs DDP."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "cli"
+    argv = ["--data", str(data), "--out", str(out), "--n-layer", "2", "--n-head", "2", "--d-model", "32",
+            "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--warmup", "1", "--eval-interval", "2", "--eval-batches", "1",
+            "--residual", "block", "--block-size", "2", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+    assert spawn(_cli, 2, argv, timeout_s=120, launcher=True) == [0, 0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] and summary["world_size"] == 2
+
+
+def test_batch_must_split_over_ranks(tmp_path):
+    with pytest.raises(DistributedError, match="does not split over world_size=3"):
+        spawn(_train, 3, str(tmp_path / "bad"), {}, timeout_s=60)
