@@ -15,7 +15,9 @@ a ``transformers`` ``Cache`` (``DynamicCache`` by default, ``StaticCache`` via
 ``cache_implementation="static"``): the GPT's attention sublayers write their keys/values into
 it through a small adapter, so ``generate``'s cache bookkeeping (beam reordering, cropping...)
 is the library's own. Padding is not supported: the model has no attention mask, so a batch
-with padding (an ``attention_mask`` with zeros) raises instead of silently attending to pads.
+with padding (an ``attention_mask`` with zeros) raises instead of silently attending to pads;
+nor are ``inputs_embeds`` and ``output_hidden_states`` / ``output_attentions``. Tested with
+``transformers`` 5.x.
 
 Command line::
 
@@ -137,8 +139,7 @@ class AttnResPreTrainedModel(PreTrainedModel):
         ``from_pretrained`` builds the model on the meta device, loads the weights, then calls this
         for the rest: the RoPE tables (non-persistent buffers) are recomputed here.
         """
-        from transformers import initialization as init  # transformers >= 5
-
+        init = _init_ops()
         c = self.config
         std = c.init_std
         if isinstance(module, GPT):
@@ -162,6 +163,19 @@ class AttnResPreTrainedModel(PreTrainedModel):
                 values = {**dict(fresh.named_parameters(recurse=False)), **dict(fresh.named_buffers(recurse=False))}
                 for name, value in values.items():
                     init.copy_(own[name], value.to(own[name].dtype))
+
+
+def _init_ops():
+    """``transformers.initialization`` (>= 5: skips tensors already loaded), else plain torch."""
+    try:
+        from transformers import initialization
+    except ImportError:  # pragma: no cover - transformers 4.x calls _init_weights on missing weights only
+        import types
+
+        return types.SimpleNamespace(
+            copy_=lambda t, v: t.copy_(v), normal_=nn.init.normal_, ones_=nn.init.ones_
+        )
+    return initialization
 
 
 def _fresh_connection(c: GPTConfig) -> Connection:
@@ -240,6 +254,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds: not supported by AttnResForCausalLM, pass input_ids")
+        for name in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(name):
+                raise ValueError(f"{name}: not supported (use GPT.depth_weights for the depth-attention weights)")
         if input_ids is None:
             raise ValueError("input_ids: required")
         if cache is None:
