@@ -19,6 +19,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON and not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
 
+from attention_residuals import kernels  # noqa: E402
 from attention_residuals.functional import depth_attention_reference  # noqa: E402
 from attention_residuals.kernels import (  # noqa: E402
     BACKENDS,
@@ -186,6 +187,21 @@ def test_compiled_grouped_online_softmax_and_threads(monkeypatch):
             _assert_close(a, b, 1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_compiled_streaming_stores(dtype):
+    """Large outputs are written with non-temporal stores: same numbers (forced on a tiny shape)."""
+    _skip_unavailable("compiled", dtype)
+    q, v, g = _inputs(3, (5,), 13, (5, 13), dtype, "cpu")  # odd row sizes: unaligned heads and tails
+    want = _backend_grads(q, v, g, "compiled", heads=1)
+    old = cpu.set_stream_threshold(0)
+    try:
+        got = _backend_grads(q, v, g, "compiled", heads=1)
+    finally:
+        cpu.set_stream_threshold(old)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("query_kind", ["static", "input"])
 @pytest.mark.parametrize("heads,key_norm", [(1, True), (2, False)])
@@ -300,3 +316,51 @@ def test_no_compiler_falls_back_to_fused():
 def test_registered_backends_share_one_function():
     assert set(BACKENDS) == {"reference", "fused", "compiled", "triton"}
     assert "fused" in autograd._BACKENDS
+
+
+# ----------------------------------------------------------------------------------------------
+# two-phase inference kernels
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+@pytest.mark.parametrize("heads,key_norm", [(1, True), (3, True), (1, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_phase_states_and_merge(backend, heads, key_norm, dtype):
+    """Phase 1 (Q queries over the known sources) + phase 2 (merge the rest) == one pass over all."""
+    from attention_residuals.functional import depth_state, depth_state_batched, merge_states
+
+    if backend != "reference":
+        _skip_unavailable(backend, dtype)
+    dev = _device(backend)
+    gen = torch.Generator().manual_seed(1)
+    d, known, rest = 12, 4, 2
+    sources = (torch.randn(known + rest, 3, 5, d, generator=gen) * 2).to(dtype).to(dev)
+    queries = torch.randn(3, d, generator=gen).to(dev)
+    kw = dict(heads=heads, key_norm=key_norm)
+    got = kernels.depth_states_batched(queries, sources[:known], backend=backend, **kw)
+    want = depth_state_batched(queries, sources[:known], **kw)
+    assert got.out.shape == want.out.shape and got.max.shape == want.max.shape
+    _assert_close(got.out, want.out, 2e-5)
+    _assert_close(got.max + got.sum.log(), want.max + want.sum.log(), 2e-5)  # same log-normaliser
+    for k in range(3):
+        out = kernels.depth_attention_merged(got[k], queries[k], sources[known:], backend=backend, **kw)
+        assert out.dtype == dtype and out.shape == (3, 5, d)
+        full = depth_attention_reference(queries[k], sources.double(), **kw)
+        tol = 2e-5 if dtype == torch.float32 else 1e-2 * full.abs().max().item()
+        _assert_close(out, full, tol)
+        via_functional = merge_states(want[k], depth_state(queries[k], sources[known:], **kw))
+        _assert_close(out, via_functional.output(dtype), tol)
+
+
+def test_two_phase_kernels_fall_back_under_autograd():
+    q = torch.randn(2, 6, requires_grad=True)
+    v = torch.randn(3, 4, 6)
+    state = kernels.depth_states_batched(q, v)
+    assert state.out.requires_grad  # the functional formula ran, with a graph
+    out = kernels.depth_attention_merged(state[0], q[0], torch.randn(1, 4, 6))
+    (g,) = torch.autograd.grad(out.sum(), q)
+    assert g.shape == q.shape
+    with pytest.raises(ValueError, match="queries"):
+        kernels.depth_states_batched(torch.randn(6), v)
+    with pytest.raises(ValueError, match="query"):
+        kernels.depth_attention_merged(state[0], torch.randn(5), v)

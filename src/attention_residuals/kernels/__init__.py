@@ -25,11 +25,26 @@ import threading
 
 import torch
 
-from ..functional import check_depth_inputs, depth_attention_reference
+from ..functional import (
+    DepthState,
+    check_depth_inputs,
+    depth_attention_reference,
+    depth_state,
+    depth_state_batched,
+    merge_states,
+)
 from . import autograd as _autograd
 from . import cpu as _cpu
 
-__all__ = ["depth_attention", "BACKENDS", "backend_status", "select_backend", "use_backend"]
+__all__ = [
+    "depth_attention",
+    "depth_states_batched",
+    "depth_attention_merged",
+    "BACKENDS",
+    "backend_status",
+    "select_backend",
+    "use_backend",
+]
 
 BACKENDS = ("reference", "fused", "compiled", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -160,4 +175,95 @@ def depth_attention(
     else:
         q = query.expand(*batch, d).reshape(-1, d)
     out = _autograd.DepthAttentionFunction.apply(q, v, float(eps), int(heads), bool(key_norm), name)
+    return out.reshape(*batch, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# two-phase inference: forward-only kernels (autograd falls back to the functional formulas)
+
+
+def _two_phase_impl(sources: torch.Tensor, backend: str, needs_grad: bool):
+    """The kernel module for a two-phase step, or None for the functional formulas."""
+    name = select_backend(sources, "softmax", backend)
+    if needs_grad or name in ("reference", "fused"):
+        return None
+    if name == "compiled":
+        return _cpu
+    _triton_import_error()
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def depth_states_batched(
+    queries: torch.Tensor,
+    sources: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    heads: int = 1,
+    key_norm: bool = True,
+    backend: str = "auto",
+) -> DepthState:
+    """Phase 1 of two-phase inference: the states of ``Q`` static queries ``[Q, d]`` over the same
+    ``sources`` ``[N, *batch, d]``, reading the sources once.
+
+    Same states as :func:`attention_residuals.functional.depth_state_batched` (``max`` is returned
+    as the log-sum-exp and ``sum`` as 1, an equivalent state). The ``compiled`` and ``triton``
+    kernels are forward-only: when autograd needs a graph, the functional formula runs instead.
+    """
+    if queries.ndim != 2:
+        raise ValueError(f"queries: expected shape [Q, d], got {tuple(queries.shape)}")
+    check_depth_inputs(queries[0], sources, heads)
+    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or sources.requires_grad)
+    impl = _two_phase_impl(sources, backend, needs_grad)
+    if impl is None:
+        return depth_state_batched(queries, sources, eps, heads=heads, key_norm=key_norm)
+    n, d = sources.shape[0], sources.shape[-1]
+    batch, nq = sources.shape[1:-1], queries.shape[0]
+    qs = queries.detach().to(_autograd.acc_dtype(sources.dtype)).contiguous()
+    lse, out = impl.states(qs, sources.detach().reshape(n, -1, d).contiguous(), float(eps), heads, key_norm)
+    lse = lse.reshape(nq, *batch, heads)
+    return DepthState(lse, torch.ones_like(lse), out.reshape(nq, *batch, d))
+
+
+def depth_attention_merged(
+    state: DepthState,
+    query: torch.Tensor,
+    sources: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    heads: int = 1,
+    key_norm: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Phase 2 of two-phase inference: ``state`` (of ``query`` over earlier sources) merged with
+    ``query`` over ``sources`` ``[R, *batch, d]`` by online softmax; returns the output ``[*batch, d]``
+    in the sources' dtype. Equals ``merge_states(state, depth_state(query, sources)).output(dtype)``
+    in one pass (forward-only kernels; the functional formulas when autograd needs a graph or the
+    query is not static)."""
+    check_depth_inputs(query, sources, heads)
+    tensors = (query, sources, state.max, state.sum, state.out)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    static = query.shape[:-1].numel() == 1
+    impl = _two_phase_impl(sources, backend, needs_grad) if static else None
+    if impl is None:
+        intra = depth_state(query, sources, eps, heads=heads, key_norm=key_norm)
+        return merge_states(state, intra).output(sources.dtype)
+    r, d = sources.shape[0], sources.shape[-1]
+    batch = sources.shape[1:-1]
+    acc = _autograd.acc_dtype(sources.dtype)
+
+    def flat(t: torch.Tensor, last: int) -> torch.Tensor:
+        return t.detach().to(acc).expand(*batch, last).reshape(-1, last).contiguous()
+
+    out = impl.merge(
+        query.detach().to(acc).reshape(d).contiguous(),
+        sources.detach().reshape(r, -1, d).contiguous(),
+        flat(state.max, heads),
+        flat(state.sum, heads),
+        flat(state.out, d),
+        float(eps),
+        heads,
+        key_norm,
+    )
     return out.reshape(*batch, d)

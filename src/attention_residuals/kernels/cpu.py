@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "unavailable_reason", "forward", "backward", "library_path"]
+__all__ = ["SUPPORTED_DTYPES", "unavailable_reason", "forward", "backward", "states", "merge", "library_path"]
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 2
+_ABI_VERSION = 4
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 
@@ -101,7 +101,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         bwd = getattr(lib, f"attnres_bwd_{suf}")
         bwd.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, f64, i32, i32]
         bwd.restype = i32
+        st = getattr(lib, f"attnres_states_{suf}")
+        st.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, f64, i32, i32]
+        st.restype = i32
+        mg = getattr(lib, f"attnres_merge_{suf}")
+        mg.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, f64, i32, i32]
+        mg.restype = i32
     lib.attnres_abi_version.restype = i32
+    lib.attnres_set_stream_threshold.argtypes = [i64]
+    lib.attnres_set_stream_threshold.restype = i64
 
 
 def _load() -> ctypes.CDLL | None:
@@ -155,6 +163,14 @@ def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | 
     if _load() is None:
         return f"the C kernel could not be built: {_state.get('error')}"
     return None
+
+
+def set_stream_threshold(nbytes: int) -> int:
+    """Outputs of at least ``nbytes`` are written with non-temporal stores (default 8 MiB); returns the old value."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"backend='compiled' is unavailable: {_state.get('error')}")
+    return int(lib.attnres_set_stream_threshold(int(nbytes)))
 
 
 def library_path() -> Path | None:
@@ -227,3 +243,55 @@ def backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
     if rc != 0:
         raise MemoryError("depth attention (compiled): out of memory in the C kernel")
     return dq, dv
+
+
+def states(qs: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: bool):
+    """Phase 1: ``qs`` [Q, d] (accumulation dtype) over ``v`` [N, M, d] in one read of ``v``
+    -> (lse [Q, M, H], out [Q, M, d]), both in the accumulation dtype."""
+    lib, suf = _lib_for(v)
+    n, m, d = v.shape
+    nq = qs.shape[0]
+    lse = torch.empty((nq, m, heads), dtype=qs.dtype)
+    out = torch.empty((nq, m, d), dtype=qs.dtype)
+    rc = getattr(lib, f"attnres_states_{suf}")(
+        _ptr(v),
+        _ptr(qs),
+        _ptr(lse),
+        _ptr(out),
+        nq,
+        n,
+        m,
+        d,
+        heads,
+        float(eps),
+        int(key_norm),
+        _threads(nq * n * m * d),
+    )
+    if rc != 0:
+        raise MemoryError("depth states (compiled): out of memory in the C kernel")
+    return lse, out
+
+
+def merge(q, v, st_max, st_sum, st_out, eps, heads, key_norm):
+    """Phase 2: the state (st_max, st_sum [M, H], st_out [M, d]) merged with ``v`` [R, M, d] -> [M, d] in v.dtype."""
+    lib, suf = _lib_for(v)
+    r, m, d = v.shape
+    out = torch.empty((m, d), dtype=v.dtype)
+    rc = getattr(lib, f"attnres_merge_{suf}")(
+        _ptr(v),
+        _ptr(q),
+        _ptr(st_max),
+        _ptr(st_sum),
+        _ptr(st_out),
+        _ptr(out),
+        r,
+        m,
+        d,
+        heads,
+        float(eps),
+        int(key_norm),
+        _threads(2 * r * m * d),
+    )
+    if rc != 0:
+        raise MemoryError("depth merge (compiled): out of memory in the C kernel")
+    return out

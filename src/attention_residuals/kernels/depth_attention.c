@@ -33,6 +33,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define TILE_BYTES (256 * 1024)
 #define MAX_TILE 32
@@ -52,6 +55,43 @@ static inline uint16_t bf16_store(float f) { /* round to nearest even; NaN stays
     return (uint16_t)(c.u >> 16);
 }
 
+/* Copy n bytes to dst with non-temporal stores where possible: outputs much larger than the
+ * cache are written straight to memory, without first reading the lines they replace. */
+static inline void stream_bytes(void *dst, const void *src, size_t n) {
+#if defined(__AVX__)
+    char *d = (char *)dst;
+    const char *s = (const char *)src;
+    size_t head = (32 - ((uintptr_t)d & 31)) & 31;
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    for (; n >= 32; n -= 32, d += 32, s += 32)
+        _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
+    memcpy(d, s, n);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static inline void stream_fence(void) {
+#if defined(__AVX__)
+    _mm_sfence();
+#endif
+}
+
+static inline void prefetch_bytes(const void *p, size_t n) {
+    const char *c = (const char *)p;
+    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
+/* Outputs at least this large bypass the cache (settable, for tests). */
+static int64_t stream_threshold = 8 << 20;
+int64_t attnres_set_stream_threshold(int64_t bytes) {
+    int64_t old = stream_threshold;
+    stream_threshold = bytes;
+    return old;
+}
+
 #define ID_LOAD(x) (x)
 #define ID_STORE(x) (x)
 
@@ -59,7 +99,7 @@ typedef struct {
     const void *v, *q, *g, *lse;
     void *out, *lse_out, *dv, *dq;
     int64_t N, M, d, H, m0, m1, tile, group;
-    int q_static, key_norm;
+    int q_static, key_norm, stream;
     double eps;
     void *scratch; /* per thread, see the workers */
 } job_t;
@@ -153,7 +193,7 @@ static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, con
     *a = ra; *b = rb; *e = re;                                                                    \
 }                                                                                                 \
                                                                                                   \
-/* Forward. scratch: acc [tile, d] | z, then p, [group, tile, H] | max, sum [tile, H] */          \
+/* Forward. scratch: acc [tile, d] | z, then p, [group, tile, H] | max, sum [tile, H] | row [dh] */ \
 static void *fwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
     const T *v = (const T *)j->v;                                                                 \
@@ -164,6 +204,7 @@ static void *fwd_worker_##SUF(void *arg) {                                      
     const int64_t TT = j->tile, G = j->group;                                                     \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *acc = (ACC *)j->scratch, *zs = acc + TT * d, *mx = zs + G * TT * H, *sm = mx + TT * H;  \
+    T *row = (T *)(sm + TT * H);                                                                  \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
         for (int64_t k = 0; k < tn * H; ++k) { mx[k] = -INFINITY; sm[k] = 0; }                    \
@@ -211,6 +252,11 @@ static void *fwd_worker_##SUF(void *arg) {                                      
             }                                                                                     \
             /* pass 2: acc += sum_i p_i v_i, four sources per sweep, rows from cache */           \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
+                /* the same token of the next tile, all its sources: in flight while we add */    \
+                if (G == N && m0 + TT + t < j->m1) {                                              \
+                    for (int64_t i = 0; i < N; ++i)                                               \
+                        prefetch_bytes(v + i * stride + (m0 + TT + t) * d, sizeof(T) * (size_t)d); \
+                }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     ACC *restrict a = acc + t * d + h * dh;                                       \
                     const T *base = v + g0 * stride + (m0 + t) * d + h * dh;                      \
@@ -239,16 +285,23 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                 const ACC inv = (ACC)1 / sm[k];                                                   \
                 const ACC *restrict a = acc + t * d + h * dh;                                     \
                 T *restrict o = out + (m0 + t) * d + h * dh;                                      \
-                _Pragma("omp simd")                                                               \
-                for (int64_t c = 0; c < dh; ++c) o[c] = STORE(a[c] * inv);                        \
+                if (j->stream) {                                                                  \
+                    _Pragma("omp simd")                                                           \
+                    for (int64_t c = 0; c < dh; ++c) row[c] = STORE(a[c] * inv);                  \
+                    stream_bytes(o, row, sizeof(T) * (size_t)dh);                                 \
+                } else {                                                                          \
+                    _Pragma("omp simd")                                                           \
+                    for (int64_t c = 0; c < dh; ++c) o[c] = STORE(a[c] * inv);                    \
+                }                                                                                 \
                 lse[(m0 + t) * H + h] = mx[k] + LOG(sm[k]);                                       \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
+    stream_fence();                                                                               \
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-/* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] */      \
+/* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] | row */ \
 static void *bwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
     const T *v = (const T *)j->v;                                                                 \
@@ -261,6 +314,7 @@ static void *bwd_worker_##SUF(void *arg) {                                      
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *dqp = (ACC *)j->scratch;                                                                 \
     ACC *sr = dqp + d, *sz = sr + S, *sa = sz + S, *sg = sa + S, *sd = sg + S;                   \
+    T *row = (T *)(sd + TT * H);                                                                  \
     ACC *dq = j->dq ? (j->q_static ? dqp : (ACC *)j->dq) : NULL;                                 \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
@@ -287,6 +341,10 @@ static void *bwd_worker_##SUF(void *arg) {                                      
         for (int64_t i = 0; i < N; ++i) {                                                         \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 const int64_t m = m0 + t;                                                         \
+                if (m0 + TT + t < j->m1) { /* the next tile's rows, in flight meanwhile */        \
+                    prefetch_bytes(v + i * stride + (m + TT) * d, sizeof(T) * (size_t)d);         \
+                    if (i == 0) prefetch_bytes(g + (m + TT) * d, sizeof(T) * (size_t)d);          \
+                }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     const int64_t k = (i * TT + t) * H + h, o = m * d + h * dh;                   \
                     const T *restrict x = v + i * stride + o;                                     \
@@ -295,10 +353,11 @@ static void *bwd_worker_##SUF(void *arg) {                                      
                     const ACC al = sa[k], dz = al * (sg[k] - sd[t * H + h]), ca = dz * sr[k];     \
                     const ACC cb = j->key_norm ? -dz * sz[k] * sr[k] * sr[k] * inv_dh : (ACC)0;   \
                     if (dv) {                                                                     \
-                        T *restrict dx = dv + i * stride + o;                                     \
+                        T *restrict dx = j->stream ? row : dv + i * stride + o;                   \
                         _Pragma("omp simd")                                                       \
                         for (int64_t c = 0; c < dh; ++c)                                          \
                             dx[c] = STORE(al * LOAD(gh[c]) + ca * qh[c] + cb * LOAD(x[c]));       \
+                        if (j->stream) stream_bytes(dv + i * stride + o, row, sizeof(T) * (size_t)dh); \
                     }                                                                             \
                     if (dq) {                                                                     \
                         ACC *restrict dqh = dq + (j->q_static ? h * dh : o);                      \
@@ -309,6 +368,7 @@ static void *bwd_worker_##SUF(void *arg) {                                      
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
+    stream_fence();                                                                               \
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
@@ -320,7 +380,9 @@ int attnres_fwd_##SUF(const void *v, const void *q, void *out, void *lse, int64_
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (M <= 0) return 0;                                                                         \
     tiling(N, (int64_t)sizeof(T) * d, &p.tile, &p.group);                                         \
-    size_t bytes = sizeof(ACC) * (size_t)(p.tile * d + (p.group + 2) * p.tile * H);              \
+    size_t bytes = sizeof(ACC) * (size_t)(p.tile * d + (p.group + 2) * p.tile * H) + sizeof(T) * (size_t)(d / H) + 64; \
+    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                 \
+    p.stream = (int64_t)sizeof(T) * M * d >= stream_threshold;                                      \
     char *scratch = launch(fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);              \
     if (!scratch) return -1;                                                                      \
     free(scratch);                                                                                \
@@ -338,7 +400,9 @@ int attnres_bwd_##SUF(const void *v, const void *q, const void *lse, const void 
     if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
     if (M <= 0) return 0;                                                                         \
     tiling(N + 1, (int64_t)sizeof(T) * d, &p.tile, &p.group); /* + 1: the rows of g */            \
-    size_t bytes = sizeof(ACC) * (size_t)(d + (4 * N + 1) * p.tile * H);                         \
+    size_t bytes = sizeof(ACC) * (size_t)(d + (4 * N + 1) * p.tile * H) + sizeof(T) * (size_t)(d / H) + 64; \
+    bytes = (bytes + 63) & ~(size_t)63;                                                           \
+    p.stream = (int64_t)sizeof(T) * N * M * d >= stream_threshold;                      \
     int nt = clamp_threads(nthreads, M);                                                          \
     char *scratch = launch(bwd_worker_##SUF, &p, nt, bytes);                                      \
     if (!scratch) return -1;                                                                      \
@@ -357,4 +421,179 @@ DEFINE_KERNELS(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
 DEFINE_KERNELS(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
 DEFINE_KERNELS(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
 
-int attnres_abi_version(void) { return 2; }
+/* Two-phase inference (forward only).
+ *
+ * Phase 1, attnres_states: Q static queries qs [Q, d] over the same sources v [N, M, d] in one read
+ * of them; per query the softmax state as (lse [Q, M, H], out [Q, M, d]) -- a state with
+ * max = lse and sum = 1 -- in the accumulation type.
+ * Phase 2, attnres_merge: the state of one query, (st_max, st_sum) [M, H] and st_out [M, d],
+ * merged with R more sources v [R, M, d] by online softmax; writes the output [M, d] in v's type.
+ */
+#define DEFINE_TWO_PHASE(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT)                                \
+static inline ACC dot_##SUF(const T *restrict x, const ACC *restrict q, int64_t n) {             \
+    ACC sb[LANES] = {0}, rb = 0;                                                                  \
+    int64_t c = 0;                                                                                \
+    for (; c + LANES <= n; c += LANES) {                                                          \
+        _Pragma("omp simd")                                                                       \
+        for (int l = 0; l < LANES; ++l) sb[l] += LOAD(x[c + l]) * q[c + l];                       \
+    }                                                                                             \
+    for (; c < n; ++c) rb += LOAD(x[c]) * q[c];                                                   \
+    for (int l = 0; l < LANES; ++l) rb += sb[l];                                                  \
+    return rb;                                                                                    \
+}                                                                                                 \
+                                                                                                  \
+/* scratch: z, then p, [Q, N, tile, H] */                                                         \
+static void *states_worker_##SUF(void *arg) {                                                     \
+    job_t *j = (job_t *)arg;                                                                      \
+    const T *v = (const T *)j->v;                                                                 \
+    const ACC *qs = (const ACC *)j->q;                                                            \
+    ACC *out = (ACC *)j->out, *lse = (ACC *)j->lse_out;                                           \
+    const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    const int64_t TT = j->tile, Q = j->group;                                                     \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
+    ACC *zs = (ACC *)j->scratch;                                                                  \
+    for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
+        const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
+        for (int64_t i = 0; i < N; ++i) {       /* pass 1: Q logits per row, one read */          \
+            for (int64_t t = 0; t < tn; ++t) {                                                    \
+                const T *x = v + i * stride + (m0 + t) * d;                                       \
+                for (int64_t h = 0; h < H; ++h) {                                                 \
+                    ACC ss, qv;                                                                   \
+                    reduce2_##SUF(x + h * dh, qs + h * dh, dh, &ss, &qv);                         \
+                    ACC r = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;              \
+                    zs[((0 * N + i) * TT + t) * H + h] = qv * r;                                  \
+                    for (int64_t k = 1; k < Q; ++k)                                               \
+                        zs[((k * N + i) * TT + t) * H + h] = r * dot_##SUF(x + h * dh, qs + k * d + h * dh, dh); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t k = 0; k < Q; ++k) {                                                         \
+            for (int64_t t = 0; t < tn; ++t) {                                                    \
+                for (int64_t h = 0; h < H; ++h) {                                                 \
+                    ACC mx = -INFINITY, l = 0;                                                    \
+                    for (int64_t i = 0; i < N; ++i) {                                             \
+                        ACC z = zs[((k * N + i) * TT + t) * H + h];                               \
+                        mx = z > mx ? z : mx;                                                     \
+                    }                                                                             \
+                    for (int64_t i = 0; i < N; ++i) {                                             \
+                        ACC *z = &zs[((k * N + i) * TT + t) * H + h];                             \
+                        *z = EXP(*z - mx);                                                        \
+                        l += *z;                                                                  \
+                    }                                                                             \
+                    const ACC inv = (ACC)1 / l;                                                   \
+                    lse[(k * M + m0 + t) * H + h] = mx + LOG(l);                                  \
+                    ACC *restrict a = out + (k * M + m0 + t) * d + h * dh;                        \
+                    const T *base = v + (m0 + t) * d + h * dh;                                    \
+                    memset(a, 0, sizeof(ACC) * (size_t)dh);                                       \
+                    int64_t i = 0;                                                                \
+                    for (; i + 4 <= N; i += 4) {                                                  \
+                        const T *restrict x0 = base + i * stride, *restrict x1 = x0 + stride;     \
+                        const T *restrict x2 = x1 + stride, *restrict x3 = x2 + stride;           \
+                        const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
+                        const ACC p1 = zs[((k * N + i + 1) * TT + t) * H + h] * inv;              \
+                        const ACC p2 = zs[((k * N + i + 2) * TT + t) * H + h] * inv;              \
+                        const ACC p3 = zs[((k * N + i + 3) * TT + t) * H + h] * inv;              \
+                        _Pragma("omp simd")                                                       \
+                        for (int64_t c = 0; c < dh; ++c)                                          \
+                            a[c] += p0 * LOAD(x0[c]) + p1 * LOAD(x1[c]) + p2 * LOAD(x2[c]) + p3 * LOAD(x3[c]); \
+                    }                                                                             \
+                    for (; i < N; ++i) {                                                          \
+                        const T *restrict x0 = base + i * stride;                                 \
+                        const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
+                        _Pragma("omp simd")                                                       \
+                        for (int64_t c = 0; c < dh; ++c) a[c] += p0 * LOAD(x0[c]);                \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    return NULL;                                                                                  \
+}                                                                                                 \
+                                                                                                  \
+int attnres_states_##SUF(const void *v, const void *qs, void *lse, void *out, int64_t Q, int64_t N, \
+                         int64_t M, int64_t d, int64_t H, double eps, int key_norm, int nthreads) { \
+    job_t p;                                                                                      \
+    memset(&p, 0, sizeof p);                                                                      \
+    p.v = v; p.q = qs; p.out = out; p.lse_out = lse;                                              \
+    p.N = N; p.M = M; p.d = d; p.H = H; p.key_norm = key_norm; p.eps = eps; p.group = Q;          \
+    if (M <= 0 || Q <= 0) return 0;                                                               \
+    int64_t unused;                                                                               \
+    tiling(N, (int64_t)sizeof(T) * d, &p.tile, &unused);                                          \
+    size_t bytes = sizeof(ACC) * (size_t)(Q * N * p.tile * H);                                    \
+    bytes = (bytes + 63) & ~(size_t)63;                                                           \
+    char *scratch = launch(states_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);           \
+    if (!scratch) return -1;                                                                      \
+    free(scratch);                                                                                \
+    return 0;                                                                                     \
+}                                                                                                 \
+                                                                                                  \
+/* scratch: z, then p, [R] */                                                                     \
+static void *merge_worker_##SUF(void *arg) {                                                      \
+    job_t *j = (job_t *)arg;                                                                      \
+    const T *v = (const T *)j->v;                                                                 \
+    const ACC *q = (const ACC *)j->q;                                                             \
+    const ACC *st_max = (const ACC *)j->lse, *st_sum = (const ACC *)j->g, *st_out = (const ACC *)j->dq; \
+    T *out = (T *)j->out;                                                                         \
+    const int64_t R = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
+    ACC *zs = (ACC *)j->scratch;                                                                  \
+    for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            const int64_t o = m * d + h * dh;                                                     \
+            ACC mx = st_max[m * H + h];                                                           \
+            for (int64_t r = 0; r < R; ++r) {                                                     \
+                ACC ss, qv;                                                                       \
+                reduce2_##SUF(v + r * stride + o, q + h * dh, dh, &ss, &qv);                      \
+                ACC rr = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;                 \
+                zs[r] = qv * rr;                                                                  \
+                mx = zs[r] > mx ? zs[r] : mx;                                                     \
+            }                                                                                     \
+            ACC w0 = st_sum[m * H + h] * EXP(st_max[m * H + h] - mx), l = w0;                     \
+            for (int64_t r = 0; r < R; ++r) { zs[r] = EXP(zs[r] - mx); l += zs[r]; }              \
+            const ACC inv = (ACC)1 / l, a0 = w0 * inv;                                            \
+            const ACC *restrict so = st_out + o;                                                  \
+            T *restrict dst = out + o;                                                            \
+            if (R == 1) {                                                                         \
+                const T *restrict x0 = v + o;                                                     \
+                const ACC p0 = zs[0] * inv;                                                       \
+                _Pragma("omp simd")                                                               \
+                for (int64_t c = 0; c < dh; ++c) dst[c] = STORE(a0 * so[c] + p0 * LOAD(x0[c]));   \
+            } else {                                                                              \
+                ACC *restrict acc = zs + R;                                                       \
+                _Pragma("omp simd")                                                               \
+                for (int64_t c = 0; c < dh; ++c) acc[c] = a0 * so[c];                             \
+                for (int64_t r = 0; r < R; ++r) {                                                 \
+                    const T *restrict x0 = v + r * stride + o;                                    \
+                    const ACC p0 = zs[r] * inv;                                                   \
+                    _Pragma("omp simd")                                                           \
+                    for (int64_t c = 0; c < dh; ++c) acc[c] += p0 * LOAD(x0[c]);                  \
+                }                                                                                 \
+                _Pragma("omp simd")                                                               \
+                for (int64_t c = 0; c < dh; ++c) dst[c] = STORE(acc[c]);                          \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    return NULL;                                                                                  \
+}                                                                                                 \
+                                                                                                  \
+int attnres_merge_##SUF(const void *v, const void *q, const void *st_max, const void *st_sum,   \
+                        const void *st_out, void *out, int64_t R, int64_t M, int64_t d, int64_t H, \
+                        double eps, int key_norm, int nthreads) {                                 \
+    job_t p;                                                                                      \
+    memset(&p, 0, sizeof p);                                                                      \
+    p.v = v; p.q = q; p.lse = st_max; p.g = st_sum; p.dq = (void *)st_out; p.out = out;           \
+    p.N = R; p.M = M; p.d = d; p.H = H; p.key_norm = key_norm; p.eps = eps;                       \
+    if (M <= 0) return 0;                                                                         \
+    size_t bytes = sizeof(ACC) * (size_t)(R + d) + 64;                                            \
+    bytes = (bytes + 63) & ~(size_t)63;                                                           \
+    char *scratch = launch(merge_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);            \
+    if (!scratch) return -1;                                                                      \
+    free(scratch);                                                                                \
+    return 0;                                                                                     \
+}
+
+DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
+DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
+DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
+
+int attnres_abi_version(void) { return 4; }

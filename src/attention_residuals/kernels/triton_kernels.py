@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "states", "merge"]
 
 _MAX_BLOCK_D = 4096  # lanes per program for one head's channels; above, chunked kernels
 _TILE_ELEMS = 4096  # BLOCK_M * BLOCK_D
@@ -50,6 +50,10 @@ def _fwd_onepass(
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    k = tl.program_id(2).to(tl.int64)  # query index: phase 1 runs Q static queries at once
+    Q += k * D
+    OUT += k * M * D
+    LSE += k * M * H
     stride_n = stride_n.to(tl.int64)  # i * stride_n can pass 2**31
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -99,6 +103,11 @@ def _fwd_chunked(
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    k = tl.program_id(2).to(tl.int64)  # query index (phase 1)
+    Q += k * D
+    OUT += k * M * D
+    LSE += k * M * H
+    Z += k * N * M * H
     stride_n = stride_n.to(tl.int64)  # i * stride_n can pass 2**31
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -231,6 +240,67 @@ def _bwd(
                 tl.store(DQ + rows.to(tl.int64)[:, None] * dq_stride + h * DH + c[None, :], dq, mask=mask)
 
 
+@triton.jit
+def _merge(
+    V,
+    Q,
+    SMAX,
+    SSUM,
+    SOUT,
+    OUT,
+    Z,
+    M,
+    D,
+    DH,
+    H,
+    stride_n,
+    R,
+    eps,
+    KEY_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Phase 2: the state (SMAX, SSUM [M, H], SOUT [M, D]) merged with R more sources."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    stride_n = stride_n.to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < M
+    base = rows.to(tl.int64)[:, None] * D + h * DH
+    s_offs = rows * H + h
+    m_i = tl.load(SMAX + s_offs, mask=rmask, other=0.0)
+    m0 = m_i
+    for r in range(R):
+        qv = tl.zeros([BLOCK_M], tl.float32)
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for c0 in range(0, DH, BLOCK_D):
+            c = c0 + cols
+            mask = rmask[:, None] & (c < DH)[None, :]
+            x = tl.load(V + r * stride_n + base + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(Q + h * DH + c, mask=c < DH, other=0.0).to(tl.float32)
+            qv += tl.sum(x * q[None, :], 1)
+            ss += tl.sum(x * x, 1)
+        z = qv
+        if KEY_NORM:
+            z = qv * tl.rsqrt(ss / DH + eps)
+        tl.store(Z + r * M * H + s_offs, z, mask=rmask)
+        m_i = tl.maximum(m_i, z)
+    w0 = tl.load(SSUM + s_offs, mask=rmask, other=1.0) * tl.exp(m0 - m_i)
+    l_i = w0
+    for r in range(R):
+        l_i += tl.exp(tl.load(Z + r * M * H + s_offs, mask=rmask, other=0.0) - m_i)
+    for c0 in range(0, DH, BLOCK_D):
+        c = c0 + cols
+        mask = rmask[:, None] & (c < DH)[None, :]
+        acc = w0[:, None] * tl.load(SOUT + base + c[None, :], mask=mask, other=0.0)
+        for r in range(R):
+            p = tl.exp(tl.load(Z + r * M * H + s_offs, mask=rmask, other=0.0) - m_i)
+            x = tl.load(V + r * stride_n + base + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += p[:, None] * x
+        tl.store(OUT + base + c[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=mask)
+
+
 def _blocks(dh: int, m: int, block_d: int | None) -> tuple[int, int]:
     bd = block_d or min(triton.next_power_of_2(max(dh, 1)), _MAX_BLOCK_D)
     bm = max(1, min(_TILE_ELEMS // bd, triton.next_power_of_2(max(m, 1)), 64))
@@ -243,14 +313,20 @@ def forward(q, v, eps, heads, key_norm, *, block_d: int | None = None):
     ``block_d`` (tests) forces the channel lanes per program, so small shapes exercise the chunked kernel.
     """
     n, m, d = v.shape
-    dh = d // heads
     out = torch.empty((m, d), dtype=v.dtype, device=v.device)
     lse = torch.empty((m, heads), dtype=torch.float32, device=v.device)
     if m == 0:
         return out, lse
+    _launch_forward(q, v, out, lse, eps, heads, key_norm, 1, 0 if q.ndim == 1 else d, block_d)
+    return out, lse
+
+
+def _launch_forward(q, v, out, lse, eps, heads, key_norm, nq, q_stride, block_d):
+    """``nq`` queries (grid dim 2, query k at ``q + k d``); ``q_stride``: d for one query per token, else 0."""
+    n, m, d = v.shape
+    dh = d // heads
     bm, bd = _blocks(dh, m, block_d)
-    grid = (triton.cdiv(m, bm), heads)
-    q_stride = 0 if q.ndim == 1 else d
+    grid = (triton.cdiv(m, bm), heads, nq)
     if bd >= dh:
         _fwd_onepass[grid](
             v,
@@ -270,7 +346,7 @@ def forward(q, v, eps, heads, key_norm, *, block_d: int | None = None):
             BLOCK_D=bd,
         )
     else:
-        z = torch.empty((n, m, heads), dtype=torch.float32, device=v.device)
+        z = torch.empty((nq, n, m, heads), dtype=torch.float32, device=v.device)
         _fwd_chunked[grid](
             v,
             q,
@@ -289,7 +365,50 @@ def forward(q, v, eps, heads, key_norm, *, block_d: int | None = None):
             BLOCK_M=bm,
             BLOCK_D=bd,
         )
-    return out, lse
+
+
+def states(qs, v, eps, heads, key_norm, *, block_d: int | None = None):
+    """Phase 1: ``qs`` [Q, d] float32 over ``v`` [N, M, d] -> (lse [Q, M, H], out [Q, M, d]) in float32.
+
+    The Q programs of a token tile are adjacent in the grid, so the sources come from DRAM once."""
+    n, m, d = v.shape
+    nq = qs.shape[0]
+    lse = torch.empty((nq, m, heads), dtype=torch.float32, device=v.device)
+    out = torch.empty((nq, m, d), dtype=torch.float32, device=v.device)
+    if m and nq:
+        _launch_forward(qs, v, out, lse, eps, heads, key_norm, nq, 0, block_d)
+    return lse, out
+
+
+def merge(q, v, st_max, st_sum, st_out, eps, heads, key_norm, *, block_d: int | None = None):
+    """Phase 2: the state (st_max, st_sum [M, H], st_out [M, d], float32) merged with ``v`` [R, M, d]."""
+    r, m, d = v.shape
+    dh = d // heads
+    out = torch.empty((m, d), dtype=v.dtype, device=v.device)
+    if m == 0:
+        return out
+    bm, bd = _blocks(dh, m, block_d)
+    z = torch.empty((max(r, 1), m, heads), dtype=torch.float32, device=v.device)
+    _merge[(triton.cdiv(m, bm), heads)](
+        v,
+        q,
+        st_max,
+        st_sum,
+        st_out,
+        out,
+        z,
+        m,
+        d,
+        dh,
+        heads,
+        m * d,
+        r,
+        eps,
+        KEY_NORM=key_norm,
+        BLOCK_M=bm,
+        BLOCK_D=bd,
+    )
+    return out
 
 
 def backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, *, block_d: int | None = None):
