@@ -10,6 +10,15 @@ from attention_residuals.data import Corpus
 from attention_residuals.parallel import DistributedError, spawn
 from attention_residuals.train import main, make_config, read_metrics, train
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on 2 shared cores: a second intra-op thread only adds barrier waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
 
 
@@ -48,7 +57,12 @@ def assert_same_run(a, b):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    train(tiny(out, progress=False), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(tiny(out, progress=False), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    finally:
+        torch.set_num_threads(n)
     return out
 
 

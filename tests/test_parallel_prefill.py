@@ -8,6 +8,15 @@ from attention_residuals.parallel import spawn
 from attention_residuals.parallel.prefill import block_state_bytes, prefill
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on 2 shared cores: a second intra-op thread only adds barrier waits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_model(cfg):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
@@ -30,11 +39,11 @@ VARIANTS = {
 }
 
 
-def _sharded(rank, world, cfg, chunk):
+def _sharded(rank, world, cfg, chunk, shard="hidden"):
     import torch.distributed as dist
 
     model = make_model(cfg)
-    out = prefill(model, make_idx(cfg), group=dist.group.WORLD, chunk_size=chunk)
+    out = prefill(model, make_idx(cfg), group=dist.group.WORLD, chunk_size=chunk, shard=shard)
     return out.logits, out.stats.to_dict(), out.cache.k.clone()
 
 
@@ -53,7 +62,7 @@ def test_chunked_prefill_equals_plain(variant):
 
 
 @pytest.mark.parametrize("variant", ["plain", "heads_cut_by_shard", "gate_no_keynorm", "partial_last_block"])
-def test_sharded_prefill_equals_plain(variant):
+def test_hidden_sharded_prefill_equals_plain(variant):
     cfg = {**BASE, **VARIANTS[variant]}
     model = make_model(cfg)
     idx = make_idx(cfg)
@@ -69,6 +78,19 @@ def test_sharded_prefill_equals_plain(variant):
             assert stats["allreduce_bytes"] > 0 and stats["allgather_bytes"] > 0
 
 
+@pytest.mark.parametrize("variant", ["plain", "partial_last_block", "gate_no_keynorm"])
+def test_sequence_sharded_prefill_equals_plain(variant):
+    cfg = {**BASE, **VARIANTS[variant]}
+    model = make_model(cfg)
+    idx = make_idx(cfg)
+    ref = model(idx)
+    for chunk in (None, 8):
+        results = spawn(_sharded, 2, cfg, chunk, "sequence", timeout_s=60)
+        for logits, stats, _ in results:
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-5)
+            assert stats["allreduce_bytes"] == 0  # depth attention is per token: no reduction at all
+
+
 def test_block_state_memory_matches_closed_form():
     """Peak stored block states: (N + 1) tensors (b_0 + N blocks) of batch x chunk x d / P."""
     cfg = {**BASE, "n_layer": 4, "block_size": 2, "seq_len": 32}  # L = 8, N = 4
@@ -79,9 +101,10 @@ def test_block_state_memory_matches_closed_form():
     assert full.peak_block_bytes == block_state_bytes(5, 2, 32, 32, 4) == full.formula_block_bytes
     chunked = prefill(model, idx, chunk_size=8).stats
     assert chunked.peak_block_bytes == full.peak_block_bytes // 4 == chunked.formula_block_bytes
-    results = spawn(_sharded, 2, cfg, 8, timeout_s=60)
-    for _, stats, _ in results:
-        assert stats["peak_block_bytes"] == chunked.peak_block_bytes // 2 == stats["formula_block_bytes"]
+    for shard in ("hidden", "sequence"):
+        results = spawn(_sharded, 2, cfg, 8, shard, timeout_s=60)
+        for _, stats, _ in results:
+            assert stats["peak_block_bytes"] == chunked.peak_block_bytes // 2 == stats["formula_block_bytes"]
 
 
 def test_prefill_rejects_what_it_cannot_shard():
@@ -91,3 +114,18 @@ def test_prefill_rejects_what_it_cannot_shard():
         prefill(make_model({**BASE, "query": "input"}), make_idx(BASE))
     with pytest.raises(ValueError, match="chunk_size"):
         prefill(make_model(BASE), make_idx(BASE), chunk_size=0)
+    with pytest.raises(ValueError, match="shard"):
+        prefill(make_model(BASE), make_idx(BASE), shard="heads")
+
+
+def _uneven(rank, world):
+    import torch.distributed as dist
+
+    prefill(make_model(BASE), make_idx(BASE), group=dist.group.WORLD, chunk_size=5, shard="sequence")
+
+
+def test_sequence_shard_needs_even_chunks():
+    from attention_residuals.parallel import DistributedError
+
+    with pytest.raises(DistributedError, match="a chunk of 5 tokens does not split over 2 ranks"):
+        spawn(_uneven, 2, timeout_s=60)

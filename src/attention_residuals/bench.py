@@ -6,7 +6,7 @@ Sub-commands (the table :data:`SUBCOMMANDS`; add one by adding a line)::
     attnres bench model    training step and prefill of Block / Full AttnRes over the PreNorm baseline
     attnres bench memory   activation memory of a training step per rule; per-layer I/O (report's table 1)
     attnres bench peers    the PyPI packages' ops and steps beside ours (skipped with the reason)
-    attnres bench dist     distributed figures (lives in attention_residuals.parallel)
+    attnres bench dist     distributed figures (lives in attention_residuals.bench_dist)
 
 Method: every case is warmed up, then the repeats are interleaved (one of each case per round,
 the round order rotated) and the best of the repeats is reported beside the median. The memory
@@ -52,7 +52,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "activation memory per rule; per-layer I/O in units of d",
     ),
     "peers": ("attention_residuals.bench:bench_peers", "PyPI peers' ops and training steps beside ours"),
-    "dist": ("attention_residuals.parallel.bench:main", "distributed (pipeline / sharded prefill) figures"),
+    "dist": ("attention_residuals.bench_dist:main", "distributed (pipeline / sharded prefill) figures"),
 }
 
 DTYPES = {
@@ -111,6 +111,24 @@ def _ms(seconds: list[float]) -> dict[str, float]:
         "median_ms": round(statistics.median(seconds) * 1e3, 6),
         "all_ms": [round(s * 1e3, 4) for s in seconds],
     }
+
+
+def cache_large_allocations() -> str:
+    """Let glibc keep freed large blocks (like CUDA's caching allocator does) instead of unmapping
+    them: otherwise every fresh gradient of the sources costs a page fault per 4 KiB, which on a
+    VM can take longer than the op itself. Process-wide; applied before any case runs, so every
+    case gets the same allocator. Returns a description for the JSON."""
+    if sys.platform != "linux":
+        return "default"
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2**31 - 1)
+    except (OSError, AttributeError):
+        return "default"
+    return "glibc mallopt(M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=2 GiB)" if ok else "default"
 
 
 def machine_info(device: torch.device) -> dict:
@@ -177,6 +195,22 @@ def _common(parser: argparse.ArgumentParser, repeats: int = 5) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the JSON here")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats (for tests)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
+    parser.add_argument(
+        "--no-malloc-cache",
+        action="store_true",
+        help="keep glibc's default of unmapping large freed blocks (page faults on every fresh gradient)",
+    )
+
+
+def _setup(args: argparse.Namespace) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    info = machine_info(device)
+    info["allocator"] = (
+        "default" if args.no_malloc_cache or device.type != "cpu" else cache_large_allocations()
+    )
+    return info
 
 
 def _command(name: str, argv: list[str]) -> str:
@@ -415,9 +449,7 @@ def bench_op(argv: list[str]) -> int:
     _common(parser)
     _op_args(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    info = machine_info(torch.device(args.device))
+    info = _setup(args)
     result, rows = _run_op(args)
     result = {"bench": "op", "command": _command("op", argv), "machine": info, **result}
     return _finish(result, args, rows, OP_HEADER)
@@ -487,11 +519,9 @@ def bench_model(argv: list[str]) -> int:
     _common(parser)
     _model_args(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    info = _setup(args)
     _quick_model(args)
     device = torch.device(args.device)
-    info = machine_info(device)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(device)
     tgt = torch.randint(0, 256, (args.batch, args.seq), generator=gen).to(device)
@@ -622,7 +652,7 @@ def bench_memory(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     _quick_model(args)
     device = torch.device(args.device)
-    info = machine_info(device)
+    info = machine_info(device)  # the default allocator: memory is what is measured here
     idx = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     variants = {**MODEL_VARIANTS, "mhc": ("mhc", None), "full (reference op)": ("full", "reference")}
     results, rows = [], []
@@ -756,10 +786,8 @@ def bench_peers(argv: list[str]) -> int:
     parser.add_argument("--model-batch", type=int, default=8, dest="model_batch")
     parser.add_argument("--n-blocks", type=int, default=8)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    info = _setup(args)
     device = torch.device(args.device)
-    info = machine_info(device)
     args.no_compile = True
     op_result, op_rows = _run_op(argparse.Namespace(**vars(args)), include_ours=True, include_peers=True)
     margs = argparse.Namespace(**vars(args))

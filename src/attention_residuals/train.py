@@ -96,7 +96,7 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     # optimisation
     steps: int = _f(1000, "optimizer steps in the whole run")
-    batch_size: int = _f(16, "sequences per micro-batch (per data-parallel rank)")
+    batch_size: int = _f(16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
     optimizer: str = _f("adamw", "adamw, or muon (Muon on sublayer matrices, AdamW on the rest)", choices=OPTIMIZERS)
     lr: float = _f(3e-3, "peak learning rate")

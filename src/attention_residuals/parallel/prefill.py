@@ -18,10 +18,14 @@ before it is added to the partial block. Memory of the block states per rank: ``
 a KV cache (depth attention is per token, so a chunk never needs another chunk's block states;
 sequence attention reads the cached keys and values). Block-state memory: ``(N + 1) chunk d / P``.
 
+**Sequence sharding** (``shard="sequence"``, what the report's text describes): rank ``r`` stores
+every block for its ``1/P`` of each chunk's tokens; depth attention needs no communication at all
+(it is per token), MLP sublayers run on the local tokens, attention sublayers all-gather their
+input over the sequence. Same ``(N + 1) chunk d / P`` per rank.
+
 The layers' weights are replicated on every rank here (the depth-attention state is what this
-module shards; sharding ``f_l`` itself is ordinary Megatron tensor parallelism). The report's
-text shards the block states over the sequence dimension instead; the memory per rank is the
-same ``N T d / P``. :class:`PrefillStats` reports the bytes actually held (tracked on the live
+module shards; sharding ``f_l`` itself is ordinary Megatron tensor parallelism, under which the
+report's reduce-scatter / local merge / all-gather path replaces our slice and all-gather). :class:`PrefillStats` reports the bytes actually held (tracked on the live
 tensors) next to the closed form.
 """
 
@@ -33,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..connections import BlockAttnRes
+from ..model import CausalSelfAttention
 from .dist import guarded
 
-__all__ = ["PrefillResult", "PrefillStats", "block_state_bytes", "prefill"]
+__all__ = ["SHARDS", "PrefillResult", "PrefillStats", "block_state_bytes", "prefill"]
 
 
 def block_state_bytes(n_tensors: int, batch: int, tokens: int, d_model: int, element_size: int,
@@ -130,26 +135,31 @@ def _check_model(model) -> BlockAttnRes:
     return res
 
 
+SHARDS = ("hidden", "sequence")
+
+
 @torch.no_grad()
 def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = None,
-            last_only: bool = False) -> PrefillResult:
+            last_only: bool = False, shard: str = "hidden") -> PrefillResult:
     """Prefill ``idx`` ``[B, T]`` through a Block AttnRes GPT; exact (to float rounding).
 
-    ``group``: a process group whose ranks shard the block states over the hidden dim (every
-    rank passes the same ``idx`` and an identical model); ``None``: one rank holds them all.
+    ``group``: a process group whose ranks shard the block states (every rank passes the same
+    ``idx`` and an identical model); ``None``: one rank holds them all. ``shard="hidden"``
+    splits the channels (module docstring); ``shard="sequence"`` (the report's wording) splits
+    each chunk's tokens: depth attention is per token, so it runs locally without any
+    communication, MLP sublayers run on the local tokens only, and attention sublayers
+    all-gather their input over the sequence (each chunk must split evenly over the ranks).
     ``chunk_size``: tokens per sequence chunk (``None``: the whole sequence at once). Returns
     the logits (``last_only``: of the last position), the filled KV cache and this rank's
     :class:`PrefillStats`.
     """
+    if shard not in SHARDS:
+        raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
+    if shard == "sequence":
+        return _prefill_sequence(model, idx, group, chunk_size, last_only)
     res = _check_model(model)
-    if idx.ndim != 2:
-        raise ValueError(f"idx: expected token ids of shape [B, T], got {tuple(idx.shape)}")
-    B, T = idx.shape
-    if T > model.config.seq_len:
-        raise ValueError(f"idx: {T} tokens exceed the context length seq_len={model.config.seq_len}")
-    chunk = T if chunk_size is None else int(chunk_size)
-    if chunk < 1:
-        raise ValueError(f"chunk_size: expected a positive number of tokens, got {chunk_size}")
+    B, T = _check_idx(model, idx)
+    chunk = _check_chunk(T, chunk_size)
     tp = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     d = res.d_model
@@ -157,7 +167,7 @@ def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = No
         raise ValueError(f"sharded prefill: d_model={d} must split evenly over {tp} ranks")
     lo, hi = rank * d // tp, (rank + 1) * d // tp
     p = model.lm_head.weight
-    stats = PrefillStats(tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=min(chunk, T), d_shard=hi - lo,
+    stats = PrefillStats(tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo,
                          element_size=p.element_size())
     sharded = _Sharded(res, lo, hi, group, stats)
     cache = model.new_cache(B, max_len=T)
@@ -202,3 +212,92 @@ def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = No
         cache.length += tc
         del blocks, partial
     return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
+
+
+def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult:
+    """Block states sharded over the tokens of each chunk (see :func:`prefill`)."""
+    res = _check_model(model)
+    B, T = _check_idx(model, idx)
+    chunk = _check_chunk(T, chunk_size)
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    d = res.d_model
+    p = model.lm_head.weight
+    stats = PrefillStats(tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=d,
+                         element_size=p.element_size())
+    local = _Sharded(res, 0, d, None, stats)  # full channels, local tokens: no all-reduce
+    cache = model.new_cache(B, max_len=T)
+    stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
+    n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
+    stats.formula_block_bytes = n_sources * B * (chunk // tp) * d * stats.element_size
+    S, L = res.block_size, res.n_layers
+    gates = 2 * torch.sigmoid(res.gate_logits) if res.intra_gate else None
+
+    def gather_tokens(x: torch.Tensor) -> torch.Tensor:
+        if group is None:
+            return x
+        parts = [torch.empty_like(x) for _ in range(tp)]
+        with guarded("sequence-sharded prefill all-gather over the tokens"):
+            dist.all_gather(parts, x.contiguous(), group=group)
+        stats.allgather_bytes += x.numel() * x.element_size() * (tp - 1)
+        return torch.cat(parts, dim=1)
+
+    logits_out = []
+    for t0 in range(0, T, chunk):
+        ids = idx[:, t0 : t0 + chunk]
+        tc = ids.shape[1]
+        if tc % tp:
+            raise ValueError(f"shard='sequence': a chunk of {tc} tokens does not split over {tp} ranks")
+        a, b = rank * tc // tp, (rank + 1) * tc // tp
+        cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
+        blocks = [model.embed(ids[:, a:b])]
+        partial = None
+        for l in range(L):
+            h = local.attend(l, blocks + ([partial] if partial is not None else []))
+            layer = model.layers[l]
+            if isinstance(layer, CausalSelfAttention):  # needs every token's keys and values
+                full = gather_tokens(h)
+                out = layer(model.norms[l](full), cos, sin, cache)[:, a:b].clone()
+                stats.transient_bytes = max(stats.transient_bytes, 2 * full.numel() * full.element_size())
+                del full
+            else:  # per token: local tokens only
+                out = layer(model.norms[l](h), cos, sin)
+            if gates is not None:
+                out.mul_(gates[l].to(out.dtype))
+            if partial is None:
+                partial = out
+            else:
+                partial.add_(out)
+                del out
+            live = blocks + [partial]
+            nbytes = sum(t.numel() * t.element_size() for t in live)
+            if nbytes > stats.peak_block_bytes:
+                stats.peak_block_bytes, stats.peak_block_tensors = nbytes, len(live)
+            if (l + 1) % S == 0:
+                blocks.append(partial)
+                partial = None
+        final = local.attend(L, blocks + ([partial] if partial is not None else []))
+        hidden = gather_tokens(model.norm_f(final))
+        if last_only:
+            hidden = hidden[:, -1:] if t0 + tc == T else None
+        if hidden is not None:
+            logits_out.append(model.lm_head(hidden))
+        cache.length += tc
+        del blocks, partial
+    return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
+
+
+def _check_idx(model, idx: torch.Tensor) -> tuple[int, int]:
+    if idx.ndim != 2:
+        raise ValueError(f"idx: expected token ids of shape [B, T], got {tuple(idx.shape)}")
+    B, T = idx.shape
+    if T > model.config.seq_len:
+        raise ValueError(f"idx: {T} tokens exceed the context length seq_len={model.config.seq_len}")
+    return B, T
+
+
+def _check_chunk(T: int, chunk_size: int | None) -> int:
+    chunk = T if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size: expected a positive number of tokens, got {chunk_size}")
+    return min(chunk, T)
