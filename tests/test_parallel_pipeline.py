@@ -104,6 +104,21 @@ def test_pipeline_equals_single_process(case):
     assert sent["cached_all"] < sent["cached"] < sent["naive"]
 
 
+def test_one_stage_hands_over_locally():
+    """P = 1, V = 2: both chunks on one rank; the hop costs no communication."""
+    cfg = dict(vocab_size=64, n_head=2, d_model=32, seq_len=8, residual="block", n_layer=2, block_size=1)
+    (out,) = spawn(pipeline_worker, 1, cfg, 2, 2, 1, timeout_s=60)
+    ref_loss, ref_grads = reference(cfg, 2)
+    for scheme in SCHEMES:
+        stats, grads = out[scheme]
+        assert stats["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert stats["bytes_forward"] == stats["bytes_backward"] == 0
+        # naive and cached hand the blocks over; cached_all already holds them (block_size 1: no partial)
+        assert (stats["bytes_local"] == 0) == (scheme == "cached_all")
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
+
+
 def test_figure3_numbers():
     """P = 4, V = 2, one block per chunk: the report says caching saves 6 block transfers."""
     rep = report_transfers(4, 2, 1)

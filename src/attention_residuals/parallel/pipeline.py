@@ -209,6 +209,7 @@ class PipelineStats:
     bytes_forward: int = 0
     bytes_backward: int = 0
     messages: int = 0
+    bytes_local: int = 0  # hops between chunks of the same rank (P = 1): handed over, not sent
     bytes_grad_sync: int = 0
     tokens: int = 0
 
@@ -274,6 +275,7 @@ class PipelineParallel:
         self._peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(stages)]
         self._stats = PipelineStats(loss=float("nan"))
         self._pending: list = []
+        self._local: list[torch.Tensor] = []
 
     # ----------------------------------------------------------------- ownership
 
@@ -333,6 +335,10 @@ class PipelineParallel:
     def _send(self, tensor: torch.Tensor, chunk_to: int, backward: bool) -> None:
         dst = self._peers[self.layout.rank_of(chunk_to)]
         nbytes = tensor.numel() * tensor.element_size()
+        if self.layout.rank_of(chunk_to) == self.rank:  # only with one stage: no wire to self
+            self._stats.bytes_local += nbytes
+            self._local.append(tensor)
+            return
         if backward:
             self._stats.bytes_backward += nbytes
         else:
@@ -342,6 +348,8 @@ class PipelineParallel:
             self._pending.append(dist.isend(tensor.contiguous(), dst, group=self.group))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device, chunk_from: int) -> torch.Tensor:
+        if self.layout.rank_of(chunk_from) == self.rank:
+            return self._local.pop(0)  # FIFO: the schedule receives in the order it sent
         src = self._peers[self.layout.rank_of(chunk_from)]
         buf = torch.empty(shape, dtype=dtype, device=device)
         with guarded(f"pipeline receive from chunk {chunk_from}", peer=src):
@@ -375,8 +383,8 @@ class PipelineParallel:
             k = n_in - first + int(has_partial)
             d = res.d_model
             p = next(m.parameters())
-            buf = self._recv((k, B, T, d), p.dtype, p.device, c - 1)
-            got = [_Holder(t) for t in buf.unbind(0)]
+            # k = 0 only on one stage: the rank already holds every block and no partial is open
+            got = [_Holder(t) for t in self._recv((k, B, T, d), p.dtype, p.device, c - 1).unbind(0)] if k else []
             rec.received = got
             if self.scheme == "naive":
                 cache = {}
@@ -421,7 +429,8 @@ class PipelineParallel:
             if len(state.blocks) != n_out or (out_partial is not None) != has_partial:
                 raise RuntimeError(f"pipeline layout mismatch after chunk {c}")  # a bug, not a user error
             rec.sent = [holders[i] for i in range(first, n_out)] + ([out_partial] if out_partial else [])
-            self._send(torch.stack([h.value.detach() for h in rec.sent]), c + 1, backward=False)
+            if rec.sent:
+                self._send(torch.stack([h.value.detach() for h in rec.sent]), c + 1, backward=False)
         if self.scheme == "cached_all":
             kept = {i: holders[i] for i in range(len(state.blocks))}
         return rec, kept
