@@ -143,3 +143,17 @@ def test_tokenized_corpus_feeds_training(tmp_path, saved):
     export_hf(tmp_path / "run", tmp_path / "hf")
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported.encode(CODE[:100], add_special_tokens=False) == hook.encode(CODE[:100])
+
+
+def test_train_command_takes_tokenizer(tmp_path, saved):
+    """``attnres train --tokenizer PATH`` trains on BPE ids and records the tokenizer in the run."""
+    text_file = tmp_path / "code.py"
+    text_file.write_text(CODE)
+    vocab = len(AutoTokenizer.from_pretrained(saved))
+    args = ["train", "--tokenizer", str(saved), "--data", str(text_file), "--vocab-size", str(vocab),
+            "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--batch-size", "2",
+            "--steps", "2", "--warmup", "1", "--eval-interval", "2", "--eval-batches", "1",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--no-progress"]
+    assert cli.main(args) == 0
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["train"]["tokenizer"] == str(saved) and record["data"]["tokenizer"] == tokenizer_id(saved)

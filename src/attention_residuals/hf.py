@@ -274,7 +274,7 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             expected = torch.arange(start, start + input_ids.shape[1], device=position_ids.device)
             if not bool((position_ids == expected).all()):
                 raise ValueError("position_ids: only the contiguous positions after the cache are supported")
-        hidden, _ = self.model._run(input_ids, cache=view)
+        hidden = self.model.forward_hidden(input_ids, cache=view)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.model.lm_head(hidden[:, keep, :])
         loss = None

@@ -221,6 +221,11 @@ class GPT(nn.Module):
             cache.length += T
         return out, state.record
 
+    def forward_hidden(self, idx: torch.Tensor, cache: KVCache | None = None, schedule: str = "plain") -> torch.Tensor:
+        """Final normalised hidden states ``[B, T, d]`` (what the LM head sees); with ``cache``
+        the tokens continue the cached prefix and are appended to it."""
+        return self._run(idx, schedule, cache)[0]
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, schedule: str = "plain"):
         """``model(idx)`` -> logits ``[B, T, vocab]``; with ``targets`` -> ``(logits, loss)``.
 

@@ -113,6 +113,7 @@ class TrainConfig:
     # data
     data: str | None = _f(None, "text file, folder or glob (default: the Python standard library's .py files)")
     val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)")
+    tokenizer: str | None = _f(None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes")
     # logging / evaluation / checkpoints
     eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)")
     eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)")
@@ -367,14 +368,23 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         _dp.teardown()
 
 
+def _load_corpus(cfg: TrainConfig) -> Corpus:
+    if cfg.tokenizer is None:
+        return load_corpus(cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction,
+                           cache_dir=cfg.cache_dir)
+    from .tokenizer import load_tokenized_corpus
+
+    corpus, _ = load_tokenized_corpus(cfg.tokenizer, cfg.data, vocab_size=cfg.model.vocab_size,
+                                      val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
+    return corpus
+
+
 def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
     out = Path(cfg.out)
     device = _dp.device_for(env, resolve_device(cfg.device))
     main = env.is_main  # only rank 0 writes the run directory
     if corpus is None:  # rank 0 first: it fills the token cache the other ranks then read
-        corpus = _dp.main_first(env, lambda: load_corpus(
-            cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir
-        ))
+        corpus = _dp.main_first(env, lambda: _load_corpus(cfg))
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}")
     corpus.check_fits(cfg.model.seq_len)
