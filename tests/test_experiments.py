@@ -49,9 +49,18 @@ def test_quick_pipeline_end_to_end(tmp_path):
     scaling = json.loads((tmp_path / "scaling" / "results.json").read_text())
     assert set(scaling["fits"]) == {"prenorm", "full", "block", "mhc"}
     # a second invocation skips every finished run
-    before = {p: p.stat().st_mtime for p in (tmp_path / "ablation" / "runs").glob("*/metrics.jsonl")}
+    before = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/metrics.jsonl")}
     ex.run_experiment("ablation", "quick", tmp_path)
-    assert before == {p: p.stat().st_mtime for p in (tmp_path / "ablation" / "runs").glob("*/metrics.jsonl")}
+    assert before == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/metrics.jsonl")}
     report = ex.write_report(tmp_path).read_text()
     assert all(f"## {name}" in report for name in ex.EXPERIMENTS)
     assert "![scaling](scaling/scaling.png)" in report
+
+
+def test_identical_runs_are_shared_between_experiments():
+    quick = ex.BUDGETS["quick"]
+    abl = {ex.run_key(s, "quick") for s in ex.specs("ablation", quick)}
+    bs = {ex.run_key(s, "quick") for s in ex.specs("blocksize", quick)}
+    shared = abl & bs
+    assert any("prenorm" in k for k in shared) and any("block_size-4" in k for k in shared)
+    assert len(abl) == len(ex.specs("ablation", quick))  # distinct runs get distinct directories

@@ -3,8 +3,10 @@
 ``attnres experiment scaling|ablation|blocksize|analysis|report [--budget quick|full]``
 
 Every experiment is a list of runs; each run is an ordinary training run directory under
-``<root>/<experiment>/runs/<name>`` that resumes if interrupted and is skipped once finished, so a
-sweep can span several sessions. Each experiment writes ``results.json``, ``table.md`` and its
+``<root>/runs/<key>`` (the key spells out its config and seed, so experiments that need the same
+run share it: the ablation's baseline is the block-size sweep's baseline) that resumes if
+interrupted and is skipped once finished, so a sweep can span several sessions and several
+processes (``--shard i/n``). Each experiment writes ``results.json``, ``table.md`` and its
 plots beside the runs; ``report`` gathers them into ``<root>/README.md``.
 
 Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 6 N + 12 n_layer d T``
@@ -71,7 +73,7 @@ BUDGETS: dict[str, Budget] = {
     "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
                     sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), warmup=2),
     # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
-    "full": Budget(steps=600, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
+    "full": Budget(steps=500, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
                    sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
                    mid=(96, 8, 4)),
 }
@@ -145,6 +147,12 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
     return out
 
 
+def run_key(spec: RunSpec, budget_name: str) -> str:
+    """Directory name of a run: its budget, config overrides and seed, spelled out."""
+    parts = [budget_name] + [f"{k}={spec.overrides[k]}" for k in sorted(spec.overrides)] + [f"seed={spec.seed}"]
+    return ",".join(parts).replace("=", "-").replace(",", "_")
+
+
 def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
     from .train import make_config
 
@@ -158,8 +166,11 @@ def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
 
 
 def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path = "results",
-                   only: list[str] | None = None) -> dict:
-    """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot."""
+                   only: list[str] | None = None, shard: tuple[int, int] | None = None) -> dict | None:
+    """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot.
+
+    ``shard=(i, n)`` trains only every n-th run starting at i (for n parallel processes) and
+    skips the tables; a final call without ``shard`` finds every run done and tabulates."""
     from tqdm.auto import tqdm
 
     from .data import load_corpus
@@ -170,12 +181,13 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
     budget = BUDGETS[budget_name]
     exp_dir = Path(root) / experiment
     todo = [s for s in specs(experiment, budget) if not only or s.variant in only or s.name in only]
+    train_list = todo if shard is None else todo[shard[0]::shard[1]]
     corpus = load_corpus(None, vocab_size=256)
     t0 = time.time()
     summaries: dict[str, dict] = {}
-    bar = tqdm(todo, desc=f"{experiment} ({budget_name})", unit="run", file=sys.stderr)
+    bar = tqdm(train_list, desc=f"{experiment} ({budget_name})", unit="run", file=sys.stderr)
     for spec in bar:
-        run_dir = exp_dir / "runs" / spec.name
+        run_dir = Path(root) / "runs" / run_key(spec, budget_name)
         bar.set_postfix_str(spec.name)
         done = load_summary(run_dir)
         if done and done.get("done"):
@@ -183,6 +195,8 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
             continue
         summaries[spec.name] = train(_train_config(spec, budget, run_dir), corpus=corpus)
     bar.close()
+    if shard is not None:
+        return None
     meta = {
         "experiment": experiment, "budget": budget_name, "budget_config": budget.__dict__,
         "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
@@ -191,7 +205,9 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
     }
     analyse = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis}[experiment]
+    exp_dir.mkdir(parents=True, exist_ok=True)
     results = analyse(todo, summaries, exp_dir, budget, meta)
+    results["run_dirs"] = {spec.name: summaries[spec.name]["run_dir"] for spec in todo}
     results["meta"] = meta
     (exp_dir / "results.json").write_text(json.dumps(results, indent=2, default=float))
     return results
@@ -342,7 +358,7 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
     x, y = next(iter(eval_batches(corpus.val, n_batches=1, batch_size=8, seq_len=budget.seq_len)))
     out: dict[str, Any] = {}
     for spec in todo:
-        run_dir = exp_dir / "runs" / spec.name
+        run_dir = Path(summaries[spec.name]["run_dir"])
         cfg = json.loads((run_dir / "config.json").read_text())
         model = GPT(GPTConfig.from_dict(cfg["model"]))
         load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
@@ -421,13 +437,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="quick", choices=tuple(BUDGETS), help="size preset (quick: a pipeline check)")
     p.add_argument("--root", default="results", help="where runs, tables and plots go")
     p.add_argument("--only", nargs="*", help="restrict to these variants or run names")
+    p.add_argument("--shard", help="I/N: train only every N-th run from the I-th (N processes in parallel); no tables")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
     args = p.parse_args(argv)
+    shard = None
+    if args.shard:
+        try:
+            i, n = (int(x) for x in args.shard.split("/"))
+            assert 0 <= i < n
+        except (ValueError, AssertionError):
+            p.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+        shard = (i, n)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.experiment == "report":
         print(write_report(args.root))
         return 0
-    results = run_experiment(args.experiment, args.budget, args.root, args.only)
-    print((Path(args.root) / args.experiment / "table.md").read_text())
-    del results
+    if run_experiment(args.experiment, args.budget, args.root, args.only, shard) is not None:
+        print((Path(args.root) / args.experiment / "table.md").read_text())
     return 0
 
 
