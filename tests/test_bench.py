@@ -19,7 +19,7 @@ def _run(capsys, tmp_path, *argv):
 
 
 def test_bench_op_quick(capsys, tmp_path):
-    data, table = _run(capsys, tmp_path, "op")
+    data, table = _run(capsys, tmp_path, "op", "--no-malloc-cache")  # leave the test process' malloc alone
     assert data["bench"] == "op" and data["command"].startswith("attnres bench op")
     assert data["roofline"]["fwd_ms"] > 0
     assert data["roofline"]["fwdbwd_ms"] == pytest.approx(3 * data["roofline"]["fwd_ms"], rel=1e-2)
@@ -35,10 +35,11 @@ def test_bench_op_quick(capsys, tmp_path):
     for s in data["skipped"]:  # every skipped case says why
         assert s["reason"]
     assert "roofline" in table and "fwd ratio" in table
+    assert data["machine"]["allocator"] == "default"
 
 
 def test_bench_model_and_memory_quick(capsys, tmp_path):
-    data, table = _run(capsys, tmp_path, "model")
+    data, table = _run(capsys, tmp_path, "model", "--no-malloc-cache")
     kinds = {(r["kind"], r["variant"], r["schedule"]) for r in data["results"]}
     assert ("train", "block", None) in kinds and ("prefill", "block", "two_phase") in kinds
     assert not data["failed"]

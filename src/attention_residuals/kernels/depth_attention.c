@@ -84,6 +84,16 @@ static inline void prefetch_bytes(const void *p, size_t n) {
     for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
+/* Where the next tile is prefetched: 1 = during pass 2, 2 = during pass 1 (row by row). */
+#ifndef PF_MODE
+#define PF_MODE 2
+#endif
+static const int pf_mode = PF_MODE;
+#ifndef PF_TILES
+#define PF_TILES 2
+#endif
+static const int pf_tiles = PF_TILES; /* how many tiles ahead */
+
 /* Outputs at least this large bypass the cache (settable, for tests). */
 static int64_t stream_threshold = 8 << 20;
 int64_t attnres_set_stream_threshold(int64_t bytes) {
@@ -216,6 +226,8 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                 for (int64_t t = 0; t < tn; ++t) {                                                \
                     const T *x = v + (g0 + i) * stride + (m0 + t) * d;                            \
                     const ACC *qt = q + (j->q_static ? 0 : (m0 + t) * d);                         \
+                    if (pf_mode == 2 && G == N && m0 + pf_tiles * TT + t < j->m1)                 \
+                        prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);             \
                     for (int64_t h = 0; h < H; ++h) {                                             \
                         ACC ss, qv;                                                               \
                         reduce2_##SUF(x + h * dh, qt + h * dh, dh, &ss, &qv);                     \
@@ -253,7 +265,7 @@ static void *fwd_worker_##SUF(void *arg) {                                      
             /* pass 2: acc += sum_i p_i v_i, four sources per sweep, rows from cache */           \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 /* the same token of the next tile, all its sources: in flight while we add */    \
-                if (G == N && m0 + TT + t < j->m1) {                                              \
+                if (pf_mode == 1 && G == N && m0 + TT + t < j->m1) {                              \
                     for (int64_t i = 0; i < N; ++i)                                               \
                         prefetch_bytes(v + i * stride + (m0 + TT + t) * d, sizeof(T) * (size_t)d); \
                 }                                                                                 \
@@ -325,6 +337,10 @@ static void *bwd_worker_##SUF(void *arg) {                                      
                 const int64_t m = m0 + t;                                                         \
                 const T *x = v + i * stride + m * d;                                              \
                 const T *gt = g + m * d;                                                          \
+                if (pf_mode == 2 && m0 + pf_tiles * TT + t < j->m1) {                             \
+                    prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);                 \
+                    if (i == 0) prefetch_bytes(gt + pf_tiles * TT * d, sizeof(T) * (size_t)d);    \
+                }                                                                                 \
                 const ACC *qt = q + (j->q_static ? 0 : m * d);                                    \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     const int64_t k = (i * TT + t) * H + h;                                       \
@@ -341,7 +357,7 @@ static void *bwd_worker_##SUF(void *arg) {                                      
         for (int64_t i = 0; i < N; ++i) {                                                         \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 const int64_t m = m0 + t;                                                         \
-                if (m0 + TT + t < j->m1) { /* the next tile's rows, in flight meanwhile */        \
+                if (pf_mode == 1 && m0 + TT + t < j->m1) { /* next tile's rows, in flight */      \
                     prefetch_bytes(v + i * stride + (m + TT) * d, sizeof(T) * (size_t)d);         \
                     if (i == 0) prefetch_bytes(g + (m + TT) * d, sizeof(T) * (size_t)d);          \
                 }                                                                                 \
@@ -596,4 +612,4 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
 
-int attnres_abi_version(void) { return 4; }
+int attnres_abi_version(void) { return 5; }
