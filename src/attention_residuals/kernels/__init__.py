@@ -14,7 +14,13 @@ computes and is tested against it; :func:`depth_attention` picks one:
 ``backend="auto"`` takes ``triton`` for CUDA tensors, ``compiled`` for CPU tensors, and ``fused``
 otherwise or when those are unavailable (no triton, no C compiler) or while ``torch.compile`` traces
 the call. ``normalize="sigmoid"`` always runs the reference formula. A forced backend that cannot
-run raises ``RuntimeError`` saying why.
+run raises ``RuntimeError`` saying why; :func:`backend_status` lists what can run and why not.
+``with use_backend(name):`` changes what ``"auto"`` means inside a block (e.g. a whole model on
+the reference formula).
+
+Two-phase inference: :func:`depth_states_batched` (phase 1: Q static queries over the known
+sources, one read of them) and :func:`depth_attention_merged` (phase 2: merge the sources added
+since), forward-only kernels on the same backends, the functional formulas under autograd.
 """
 
 from __future__ import annotations

@@ -25,8 +25,11 @@
  * weighted sum, or the gradients). T is chosen so that all N sources of a tile fit TILE_BYTES; when
  * even one token's sources do not, the sources are taken in groups that fit, merged by online
  * softmax (running max and normaliser per token, the accumulator rescaled when the max grows).
- * Work is split over tokens between nthreads POSIX threads; the static-query gradient is reduced
- * per thread, then summed in thread order, so results are deterministic.
+ * While a tile is reduced, the rows of the tile two ahead are prefetched, so the memory stream
+ * keeps going during the arithmetic; outputs larger than STREAM threshold (8 MiB: the output of
+ * the forward, the sources' gradient) are written with non-temporal stores, which skips reading
+ * the lines they overwrite. Work is split over tokens between nthreads POSIX threads; the
+ * static-query gradient is reduced per thread, then summed in thread order: deterministic.
  */
 #include <math.h>
 #include <pthread.h>
