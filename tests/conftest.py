@@ -7,6 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # one thread: the tiny test shapes are dominated by threading overhead on 2 shared cores
 torch.set_num_threads(1)
+# Triton kernels read TRITON_INTERPRET when they are decorated, i.e. at their first import, which
+# may happen in any test module: without a GPU, set it before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -130,14 +130,13 @@ def test_tokenized_corpus_feeds_training(tmp_path, saved):
     cfg = make_config(
         vocab_size=corpus.vocab_size, n_layer=1, n_head=2, d_model=16, seq_len=16, residual="block", batch_size=2,
         steps=2, warmup=1, eval_interval=2, eval_batches=1, log_interval=1, progress=False, out=str(tmp_path / "run"),
+        tokenizer=str(saved),
     )
     summary = train(cfg, corpus=corpus)
     assert summary["done"]
-    # record the tokenizer as `attnres train --tokenizer` is to (train.tokenizer), then export
+    # the run records its tokenizer (train.tokenizer), and export-hf ships it
     record = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["data"]["tokenizer"] == hook.tokenizer_id
-    record["train"]["tokenizer"] = str(saved)
-    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    assert record["data"]["tokenizer"] == hook.tokenizer_id and record["train"]["tokenizer"] == str(saved)
     from attention_residuals.hf import export_hf
 
     export_hf(tmp_path / "run", tmp_path / "hf")
