@@ -422,9 +422,6 @@ def write_report(root: str | Path = "results") -> Path:
         parts += [(root / exp / "table.md").read_text(), ""]
         for png in sorted((root / exp).glob("*.png")):
             parts += [f"![{png.stem}]({exp}/{png.name})", ""]
-        notes = root / exp / "NOTES.md"
-        if notes.exists():
-            parts += [notes.read_text(), ""]
     path = root / "README.md"
     path.write_text("\n".join(parts))
     return path
