@@ -316,7 +316,7 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         rep = REPORT_ABLATION.get(v)
         rep_s = f"{rep:.3f}" if rep else "—"
         rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
-        r.update(delta=delta, verdict=_verdict(delta, spread))
+        r.update(delta=delta, verdict="reference" if v == "baseline" else _verdict(delta, spread))
         lines.append(f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} | {r['verdict']} | {rep_s} | {rep_d} |")
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
