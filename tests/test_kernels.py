@@ -313,6 +313,26 @@ def test_no_compiler_falls_back_to_fused():
     assert "ATTNRES_NO_COMPILE" in proc.stdout
 
 
+def test_pthreads_build_matches():
+    """The POSIX-threads build (no OpenMP) gives the same numbers, on several threads."""
+    if COMPILED_REASON is not None:
+        pytest.skip(COMPILED_REASON)
+    code = (
+        "import torch; from attention_residuals.kernels import cpu, depth_attention\n"
+        "from attention_residuals.functional import depth_attention_reference as ref\n"
+        "assert cpu.threading_model() == 'pthreads', cpu.threading_model()\n"
+        "cpu._ELEMS_PER_THREAD = 1; torch.set_num_threads(2)\n"
+        "q = torch.randn(8, dtype=torch.float64, requires_grad=True)\n"
+        "v = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)\n"
+        "a = torch.autograd.grad(depth_attention(q, v, backend='compiled').sum(), (q, v))\n"
+        "b = torch.autograd.grad(ref(q, v).sum(), (q, v))\n"
+        "assert all(torch.allclose(x, y, atol=1e-12) for x, y in zip(a, b))\n"
+    )
+    env = dict(os.environ, ATTNRES_NO_OPENMP="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_registered_backends_share_one_function():
     assert set(BACKENDS) == {"reference", "fused", "compiled", "triton"}
     assert "fused" in autograd._BACKENDS

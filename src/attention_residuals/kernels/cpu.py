@@ -1,6 +1,10 @@
 """The ``compiled`` CPU backend: ``depth_attention.c`` built with the system C compiler, via ctypes.
 
-The C file needs no torch headers, so building it takes about a second with ``gcc -O3``; the
+The C file needs no torch headers, so building it takes about a second with ``gcc -O3``. It is
+built with ``-fopenmp`` when the compiler has it: the shared object then needs ``libgomp.so.1``,
+which the loader resolves to the copy torch has already loaded, so the kernel runs on torch's own
+OpenMP workers (awake after the previous torch op) instead of fresh threads competing with them;
+otherwise (or with ``ATTNRES_NO_OPENMP=1``) it uses POSIX threads. The
 shared object is cached per (source, flags, compiler, CPU) under ``$ATTNRES_CACHE_DIR`` (default
 ``~/.cache/attention_residuals``, a temporary folder if that is not writable). The build happens
 lazily on first use and never raises: when no compiler is found, the build fails, or
@@ -25,12 +29,21 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "unavailable_reason", "forward", "backward", "states", "merge", "library_path"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "unavailable_reason",
+    "forward",
+    "backward",
+    "states",
+    "merge",
+    "library_path",
+    "threading_model",
+]
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 
@@ -76,9 +89,9 @@ def _compiler() -> str | None:
     return None
 
 
-def _compile(cc: str, out: Path, native: bool) -> str | None:
+def _compile(cc: str, out: Path, native: bool, openmp: bool) -> str | None:
     """Build the shared object at ``out``; returns an error message or None."""
-    flags = list(_BASE_FLAGS) + (["-march=native"] if native else [])
+    flags = list(_BASE_FLAGS) + (["-march=native"] if native else []) + (["-fopenmp"] if openmp else [])
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [cc, *flags, "-o", str(tmp), str(_SOURCE), "-lm", "-lpthread"]
     try:
@@ -108,6 +121,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         mg.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, f64, i32, i32]
         mg.restype = i32
     lib.attnres_abi_version.restype = i32
+    lib.attnres_uses_openmp.restype = i32
     lib.attnres_set_stream_threshold.argtypes = [i64]
     lib.attnres_set_stream_threshold.restype = i64
 
@@ -127,16 +141,19 @@ def _load() -> ctypes.CDLL | None:
             _state["error"] = f"kernel source missing: {_SOURCE}"
             return None
         errors = []
-        for native in (True, False):
+        no_omp = os.environ.get("ATTNRES_NO_OPENMP", "") not in ("", "0")
+        for native, openmp in ((True, True), (True, False), (False, True), (False, False)):
+            if openmp and no_omp:
+                continue
             key = hashlib.sha256()
             for part in (
                 _SOURCE.read_bytes(),
-                repr((_BASE_FLAGS, native, cc, _ABI_VERSION)).encode(),
+                repr((_BASE_FLAGS, native, openmp, cc, _ABI_VERSION)).encode(),
                 _cpu_id().encode(),
             ):
                 key.update(part)
             path = _cache_dir() / f"depth_attention_{key.hexdigest()[:16]}.so"
-            err = None if path.exists() else _compile(cc, path, native)
+            err = None if path.exists() else _compile(cc, path, native, openmp)
             if err is None:
                 try:
                     lib = ctypes.CDLL(str(path))
@@ -148,6 +165,7 @@ def _load() -> ctypes.CDLL | None:
                     path.unlink(missing_ok=True)
                 else:
                     _state["lib"], _state["path"] = lib, path
+                    _state["threads"] = "openmp" if lib.attnres_uses_openmp() else "pthreads"
                     return lib
             errors.append(err)
         _state["error"] = "; ".join(e for e in errors if e)
@@ -176,6 +194,12 @@ def set_stream_threshold(nbytes: int) -> int:
 def library_path() -> Path | None:
     _load()
     return _state.get("path")  # type: ignore[return-value]
+
+
+def threading_model() -> str | None:
+    """``"openmp"`` (torch's pool), ``"pthreads"``, or None when the kernel is unavailable."""
+    _load()
+    return _state.get("threads")  # type: ignore[return-value]
 
 
 def _threads(work: int) -> int:

@@ -30,6 +30,8 @@
  * the forward, the sources' gradient) are written with non-temporal stores, which skips reading
  * the lines they overwrite. Work is split over tokens between nthreads POSIX threads; the
  * static-query gradient is reduced per thread, then summed in thread order: deterministic.
+ * Threads: OpenMP when built with -fopenmp (cpu.py does, sharing torch's libgomp and its awake
+ * workers), POSIX threads otherwise.
  */
 #include <math.h>
 #include <pthread.h>
@@ -38,6 +40,9 @@
 #include <string.h>
 #if defined(__AVX__)
 #include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
 #endif
 
 #define TILE_BYTES (256 * 1024)
@@ -153,6 +158,15 @@ static char *launch(worker_t work, const job_t *proto, int nt, size_t bytes) {
         jobs[t].m1 = (t + 1) * chunk < proto->M ? (t + 1) * chunk : proto->M;
         jobs[t].scratch = scratch + (size_t)t * bytes;
     }
+#if defined(_OPENMP)
+    /* torch's own OpenMP pool (the loader shares the libgomp torch loaded): its workers are
+     * already awake after the previous torch op, and do not compete with fresh threads. */
+#pragma omp parallel num_threads(nt)
+    {
+        const int nth = omp_get_num_threads();
+        for (int t = omp_get_thread_num(); t < nt; t += nth) work(&jobs[t]);
+    }
+#else
     int started = 0;
     for (int t = 1; t < nt; ++t) {
         if (pthread_create(&tid[t], NULL, work, &jobs[t]) != 0) break; /* the rest run inline */
@@ -161,6 +175,7 @@ static char *launch(worker_t work, const job_t *proto, int nt, size_t bytes) {
     work(&jobs[0]);
     for (int t = started + 1; t < nt; ++t) work(&jobs[t]);
     for (int t = 1; t <= started; ++t) pthread_join(tid[t], NULL);
+#endif
     free(jobs); free(tid);
     return scratch;
 }
@@ -615,4 +630,13 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
 
-int attnres_abi_version(void) { return 5; }
+int attnres_abi_version(void) { return 6; }
+
+/* 1 when the workers run on OpenMP (shared with torch), 0 on POSIX threads. */
+int attnres_uses_openmp(void) {
+#if defined(_OPENMP)
+    return 1;
+#else
+    return 0;
+#endif
+}
