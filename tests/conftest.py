@@ -14,5 +14,7 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed_and_one_thread():
+    """Every test starts seeded and on one intra-op thread (a test may raise it for itself)."""
     torch.manual_seed(0)
+    torch.set_num_threads(1)

@@ -3,18 +3,9 @@
 import json
 
 import pytest
-import torch
 
 from attention_residuals import bench_dist
 from attention_residuals.bench import SUBCOMMANDS
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_bench_dispatch_points_here():

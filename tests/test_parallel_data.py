@@ -10,15 +10,6 @@ from attention_residuals.data import Corpus
 from attention_residuals.parallel import DistributedError, spawn
 from attention_residuals.train import main, make_config, read_metrics, train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on 2 shared cores: a second intra-op thread only adds barrier waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
 
 

@@ -16,15 +16,6 @@ from attention_residuals.parallel import (
     spawn,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on 2 shared cores: a second intra-op thread only adds barrier waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 CFG = dict(vocab_size=32, n_layer=2, n_head=2, d_model=16, seq_len=8, residual="block", block_size=2)
 
 

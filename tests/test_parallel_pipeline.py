@@ -17,15 +17,6 @@ from attention_residuals.parallel import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on 2 shared cores: a second intra-op thread only adds barrier waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_model(cfg: dict) -> GPT:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
