@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attention_residuals.connections import RESIDUALS, make_connection
+from attention_residuals.kernels import backend_status, use_backend
 from attention_residuals.model import GPT, GPTConfig
 
 
@@ -104,6 +105,24 @@ def test_rules_that_start_as_prenorm(residual, idx):
 def test_two_phase_equals_plain(kw, idx):
     model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
     torch.testing.assert_close(model(idx, schedule="two_phase"), model(idx), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "triton"])
+@pytest.mark.parametrize(
+    "kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2, heads=4),
+           dict(residual="block", block_size=4, key_norm=False)]
+)
+def test_two_phase_inference_kernels_equal_plain(kw, backend, idx):
+    """Without autograd the two-phase schedule runs the forward-only phase-1 / merge kernels."""
+    reason = backend_status()[backend]
+    if reason:
+        pytest.skip(reason)
+    model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
+    with torch.no_grad():
+        plain = model(idx)
+        with use_backend(backend):
+            two_phase = model(idx, schedule="two_phase")
+    torch.testing.assert_close(two_phase, plain, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -36,15 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .functional import (
-    DepthState,
-    depth_logits,
-    depth_state,
-    depth_state_batched,
-    merge_states,
-    rms_norm,
-)
-from .kernels import depth_attention
+from .functional import DepthState, depth_logits, rms_norm
+from .kernels import depth_attention, depth_attention_merged, depth_states_batched
 
 __all__ = ["RESIDUALS", "Connection", "ResidualState", "make_connection", "resolve_block_size"]
 
@@ -219,15 +212,15 @@ class DepthAttentionResidual(Connection):
             if layers[-1] == self.n_layers - 1:
                 layers.append(self.n_layers)  # the final readout joins the last group
             known = torch.stack(srcs)
-            batched = depth_state_batched(self.queries[layers], known, self.eps, heads=self.heads, key_norm=self.key_norm)
+            batched = depth_states_batched(self.queries[layers], known, self.eps, heads=self.heads, key_norm=self.key_norm)
             state.phase1[group] = (batched, layers, len(srcs))
         batched, layers, covered = state.phase1[group]
         merged = batched[layers.index(layer)]
         rest = srcs[covered:]
-        if rest:
-            intra = depth_state(self.queries[layer], torch.stack(rest), self.eps, heads=self.heads, key_norm=self.key_norm)
-            merged = merge_states(merged, intra)
-        return merged.output(srcs[0].dtype)
+        if not rest:
+            return merged.output(srcs[0].dtype)
+        return depth_attention_merged(merged, self.queries[layer], torch.stack(rest), self.eps,
+                                      heads=self.heads, key_norm=self.key_norm)
 
     def init_state(self, embedding, schedule="plain", record=False):
         state = super().init_state(embedding, schedule, record)
