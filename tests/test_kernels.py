@@ -219,10 +219,14 @@ def test_triton_chunked_kernels(query_kind, heads, key_norm):
         _assert_close(a, b, 2e-5)
 
 
-def test_backward_saves_only_sources_query_and_scalars():
-    """What the Function keeps for backward: the inputs and one float32 scalar per token and head."""
+@pytest.mark.parametrize("as_list", [False, True])
+def test_backward_saves_only_sources_query_and_scalars(as_list):
+    """What the Function keeps for backward: the inputs themselves (views of their storage, no
+    stacked copy) and one float32 scalar per token and head."""
     q = torch.randn(8, requires_grad=True)
     v = torch.randn(4, 2, 3, 8, requires_grad=True)
+    sources = [torch.randn(2, 3, 8, requires_grad=True) for _ in range(4)] if as_list else v
+    inputs = {t.untyped_storage().data_ptr() for t in ([q, *sources] if as_list else [q, v])}
     saved = []
 
     def pack(t):
@@ -232,10 +236,39 @@ def test_backward_saves_only_sources_query_and_scalars():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for backend in ("fused",) + (("compiled",) if COMPILED_REASON is None else ()):
             saved.clear()
-            depth_attention(q, v, heads=2, backend=backend)
-            extra = [t for t in saved if t.data_ptr() not in (q.data_ptr(), v.data_ptr())]
-            assert len(saved) == 3
+            depth_attention(q, sources, heads=2, backend=backend)
+            extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
             assert [tuple(t.shape) for t in extra] == [(6, 2)] and extra[0].dtype == torch.float32
+            assert len(saved) == 2 + 4  # query, lse, and the four sources
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_of_sources_equals_stacked(backend):
+    """A list of [*batch, d] sources gives the stacked tensor's output and gradients."""
+    if backend_status()[backend]:
+        pytest.skip(backend_status()[backend])
+    q = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    if backend == "triton":
+        q, v = (t.detach().float().requires_grad_() for t in (q, v))
+    parts = [s.detach().clone().requires_grad_() for s in v]
+    g = torch.randn(2, 3, 8, dtype=v.dtype)
+    out = depth_attention(q, v, heads=2, backend=backend)
+    out_list = depth_attention(q, parts, heads=2, backend=backend)
+    torch.testing.assert_close(out_list, out)
+    dv = torch.autograd.grad(out, v, g)[0]
+    dparts = torch.autograd.grad(out_list, parts, g)
+    torch.testing.assert_close(torch.stack(dparts), dv)
+
+
+@pytest.mark.parametrize(
+    "sources, match",
+    [([], "empty"), ([torch.randn(2, 8), torch.randn(3, 8)], r"sources\[1\]"),
+     ([torch.randn(2, 8), torch.randn(2, 8).double()], r"sources\[1\]"), ([torch.randn(2, 8), "x"], r"sources\[1\]")],
+)
+def test_bad_source_lists(sources, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        depth_attention(torch.randn(8), sources)
 
 
 BAD_INPUTS = [

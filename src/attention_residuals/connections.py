@@ -194,12 +194,12 @@ class DepthAttentionResidual(Connection):
         if state.schedule == "two_phase":
             return self._attend_two_phase(state, layer, srcs)
         q = self.query(layer, srcs)
-        stacked = torch.stack(srcs)
         if state.record is not None:
-            z = depth_logits(q, stacked, self.eps, heads=self.heads, key_norm=self.key_norm)
+            z = depth_logits(q, torch.stack(srcs), self.eps, heads=self.heads, key_norm=self.key_norm)
             w = torch.softmax(z, 0) if self.normalize == "softmax" else torch.sigmoid(z)
             state.record[layer] = (cols, w.detach().flatten(1, -1).mean(1))
-        return depth_attention(q, stacked, self.eps, heads=self.heads, key_norm=self.key_norm, normalize=self.normalize)
+        # the sources as a list: the compiled kernel reads them in place (no stacked copy)
+        return depth_attention(q, srcs, self.eps, heads=self.heads, key_norm=self.key_norm, normalize=self.normalize)
 
     def _attend_two_phase(self, state: ResidualState, layer: int, srcs: list[torch.Tensor]) -> torch.Tensor:
         """Phase 1 once per group: every query of the group (and the final readout's, in the
@@ -211,15 +211,14 @@ class DepthAttentionResidual(Connection):
             layers = list(range(group * size, min((group + 1) * size, self.n_layers)))
             if layers[-1] == self.n_layers - 1:
                 layers.append(self.n_layers)  # the final readout joins the last group
-            known = torch.stack(srcs)
-            batched = depth_states_batched(self.queries[layers], known, self.eps, heads=self.heads, key_norm=self.key_norm)
+            batched = depth_states_batched(self.queries[layers], srcs, self.eps, heads=self.heads, key_norm=self.key_norm)
             state.phase1[group] = (batched, layers, len(srcs))
         batched, layers, covered = state.phase1[group]
         merged = batched[layers.index(layer)]
         rest = srcs[covered:]
         if not rest:
             return merged.output(srcs[0].dtype)
-        return depth_attention_merged(merged, self.queries[layer], torch.stack(rest), self.eps,
+        return depth_attention_merged(merged, self.queries[layer], rest, self.eps,
                                       heads=self.heads, key_norm=self.key_norm)
 
     def init_state(self, embedding, schedule="plain", record=False):

@@ -26,6 +26,7 @@ __all__ = [
     "DepthState",
     "rms_norm",
     "check_depth_inputs",
+    "stack_sources",
     "depth_logits",
     "depth_attention_reference",
     "depth_state",
@@ -70,6 +71,32 @@ def check_depth_inputs(query: torch.Tensor, sources: torch.Tensor, heads: int = 
         )
     if heads < 1 or d % heads != 0:
         raise ValueError(f"heads: must be a positive divisor of d={d}, got {heads}")
+
+
+def stack_sources(sources: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``sources`` as one ``[N, *batch, d]`` tensor: a tensor is returned as is, a list or tuple of
+    ``[*batch, d]`` tensors (the fast paths take them without copying) is checked and stacked."""
+    if isinstance(sources, torch.Tensor):
+        return sources
+    check_source_list(sources)
+    return torch.stack(list(sources))
+
+
+def check_source_list(sources: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> None:
+    """A sequence of sources must hold tensors of one shape, dtype and device."""
+    if not isinstance(sources, (list, tuple)):
+        raise TypeError(f"sources: expected a torch.Tensor or a list of tensors, got {type(sources).__name__}")
+    if not sources:
+        raise ValueError("sources: need at least one source (got an empty list)")
+    first = sources[0]
+    for i, s in enumerate(sources):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"sources[{i}]: expected a torch.Tensor, got {type(s).__name__}")
+        if s.shape != first.shape or s.dtype != first.dtype or s.device != first.device:
+            raise ValueError(
+                f"sources[{i}]: every source must match sources[0] (shape {tuple(first.shape)}, {first.dtype}, "
+                f"{first.device}), got shape {tuple(s.shape)}, {s.dtype}, {s.device}"
+            )
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -18,6 +18,10 @@ run raises ``RuntimeError`` saying why; :func:`backend_status` lists what can ru
 ``with use_backend(name):`` changes what ``"auto"`` means inside a block (e.g. a whole model on
 the reference formula).
 
+``sources`` may be one ``[N, *batch, d]`` tensor or a list of N ``[*batch, d]`` tensors: the
+``compiled`` kernels read a list in place (a table of pointers), so a model need not stack its
+sources -- a copy of all of them per layer, and in training one more saved for backward.
+
 Two-phase inference: :func:`depth_states_batched` (phase 1: Q static queries over the known
 sources, one read of them) and :func:`depth_attention_merged` (phase 2: merge the sources added
 since), forward-only kernels on the same backends, the functional formulas under autograd.
@@ -34,10 +38,12 @@ import torch
 from ..functional import (
     DepthState,
     check_depth_inputs,
+    check_source_list,
     depth_attention_reference,
     depth_state,
     depth_state_batched,
     merge_states,
+    stack_sources,
 )
 from . import autograd as _autograd
 from . import cpu as _cpu
@@ -62,7 +68,7 @@ def _triton_import_error() -> str | None:
         try:
             from . import triton_kernels
 
-            _autograd.register_backend("triton", triton_kernels.forward, triton_kernels.backward)
+            _autograd.register_backend("triton", *_autograd.stacking(triton_kernels.forward, triton_kernels.backward))
             _triton_error.append(None)
         except Exception as exc:  # ImportError, or a triton too old / broken
             _triton_error.append(
@@ -144,9 +150,31 @@ def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: s
     return backend
 
 
+Sources = "torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]"
+
+
+def _checked(query: torch.Tensor, sources, heads: int) -> list[torch.Tensor]:
+    """Validate ``(query, sources)`` and return the sources as a list of ``[*batch, d]`` tensors."""
+    if isinstance(sources, torch.Tensor):
+        check_depth_inputs(query, sources, heads)
+        srcs = list(sources.unbind(0))
+    else:
+        check_source_list(sources)
+        srcs = list(sources)
+        check_depth_inputs(query, srcs[0].expand(len(srcs), *srcs[0].shape), heads)
+    if query.device != srcs[0].device:
+        raise ValueError(f"query: on {query.device} but sources are on {srcs[0].device}")
+    return srcs
+
+
+def _flat(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    d = sources[0].shape[-1]
+    return [s.detach().reshape(-1, d).contiguous() for s in sources]
+
+
 def depth_attention(
     query: torch.Tensor,
-    sources: torch.Tensor,
+    sources: Sources,
     eps: float = 1e-6,
     *,
     heads: int = 1,
@@ -156,31 +184,29 @@ def depth_attention(
 ) -> torch.Tensor:
     """Softmax attention over depth: ``sum_i softmax_i(query . RMSNorm(sources_i)) sources_i``.
 
-    ``sources``: ``[N, *batch, d]`` (the depth axis first); ``query``: ``[d]`` (a static
-    pseudo-query) or broadcastable to ``[*batch, d]`` (input-dependent). Softmax over dim 0 in
-    float32; the output ``[*batch, d]`` has the dtype of ``sources``. A zero query gives the
-    mean of the sources. ``heads=H`` splits d into H groups with a softmax each; ``key_norm=False``
-    uses the raw sources as keys; ``normalize="sigmoid"`` gates each source independently.
-    ``backend``: ``"auto"`` or one of :data:`BACKENDS` (see the module docstring).
+    ``sources``: ``[N, *batch, d]`` (the depth axis first) or a list of N ``[*batch, d]`` tensors;
+    ``query``: ``[d]`` (a static pseudo-query) or broadcastable to ``[*batch, d]``
+    (input-dependent). Softmax over the sources in float32; the output ``[*batch, d]`` has the
+    dtype of the sources. A zero query gives the mean of the sources. ``heads=H`` splits d into H
+    groups with a softmax each; ``key_norm=False`` uses the raw sources as keys;
+    ``normalize="sigmoid"`` gates each source independently. ``backend``: ``"auto"`` or one of
+    :data:`BACKENDS` (see the module docstring).
     """
-    check_depth_inputs(query, sources, heads)
+    srcs = _checked(query, sources, heads)
     if normalize not in ("softmax", "sigmoid"):
         raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
-    if query.device != sources.device:
-        raise ValueError(f"query: on {query.device} but sources are on {sources.device}")
-    name = select_backend(sources, normalize, backend)
+    name = select_backend(srcs[0], normalize, backend)
     if name == "reference":
         return depth_attention_reference(
-            query, sources, eps, heads=heads, key_norm=key_norm, normalize=normalize
+            query, stack_sources(sources), eps, heads=heads, key_norm=key_norm, normalize=normalize
         )
-    n, d = sources.shape[0], sources.shape[-1]
-    batch = sources.shape[1:-1]
-    v = sources.reshape(n, -1, d)
+    batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
+    vs = [s.reshape(-1, d) for s in srcs]
     if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
         q = query.reshape(d)
     else:
         q = query.expand(*batch, d).reshape(-1, d)
-    out = _autograd.DepthAttentionFunction.apply(q, v, float(eps), int(heads), bool(key_norm), name)
+    out = _autograd.DepthAttentionFunction.apply(q, float(eps), int(heads), bool(key_norm), name, *vs)
     return out.reshape(*batch, d)
 
 
@@ -188,22 +214,26 @@ def depth_attention(
 # two-phase inference: forward-only kernels (autograd falls back to the functional formulas)
 
 
-def _two_phase_impl(sources: torch.Tensor, backend: str, needs_grad: bool):
-    """The kernel module for a two-phase step, or None for the functional formulas."""
-    name = select_backend(sources, "softmax", backend)
+def _two_phase_impl(source: torch.Tensor, backend: str, needs_grad: bool):
+    """``(states, merge)`` kernels on lists of ``[M, d]`` sources for a two-phase step, or None
+    for the functional formulas."""
+    name = select_backend(source, "softmax", backend)
     if needs_grad or name in ("reference", "fused"):
         return None
     if name == "compiled":
-        return _cpu
+        return _cpu.states, _cpu.merge
     _triton_import_error()
     from . import triton_kernels
 
-    return triton_kernels
+    return (
+        lambda qs, vs, *a: triton_kernels.states(qs, torch.stack(vs), *a),
+        lambda q, vs, *a: triton_kernels.merge(q, torch.stack(vs), *a),
+    )
 
 
 def depth_states_batched(
     queries: torch.Tensor,
-    sources: torch.Tensor,
+    sources: Sources,
     eps: float = 1e-6,
     *,
     heads: int = 1,
@@ -211,7 +241,7 @@ def depth_states_batched(
     backend: str = "auto",
 ) -> DepthState:
     """Phase 1 of two-phase inference: the states of ``Q`` static queries ``[Q, d]`` over the same
-    ``sources`` ``[N, *batch, d]``, reading the sources once.
+    ``sources`` (``[N, *batch, d]`` or a list of N ``[*batch, d]``), reading the sources once.
 
     Same states as :func:`attention_residuals.functional.depth_state_batched` (``max`` is returned
     as the log-sum-exp and ``sum`` as 1, an equivalent state). The ``compiled`` and ``triton``
@@ -219,15 +249,14 @@ def depth_states_batched(
     """
     if queries.ndim != 2:
         raise ValueError(f"queries: expected shape [Q, d], got {tuple(queries.shape)}")
-    check_depth_inputs(queries[0], sources, heads)
-    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or sources.requires_grad)
-    impl = _two_phase_impl(sources, backend, needs_grad)
+    srcs = _checked(queries[0], sources, heads)
+    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or any(s.requires_grad for s in srcs))
+    impl = _two_phase_impl(srcs[0], backend, needs_grad)
     if impl is None:
-        return depth_state_batched(queries, sources, eps, heads=heads, key_norm=key_norm)
-    n, d = sources.shape[0], sources.shape[-1]
-    batch, nq = sources.shape[1:-1], queries.shape[0]
-    qs = queries.detach().to(_autograd.acc_dtype(sources.dtype)).contiguous()
-    lse, out = impl.states(qs, sources.detach().reshape(n, -1, d).contiguous(), float(eps), heads, key_norm)
+        return depth_state_batched(queries, stack_sources(sources), eps, heads=heads, key_norm=key_norm)
+    batch, d, nq = srcs[0].shape[:-1], srcs[0].shape[-1], queries.shape[0]
+    qs = queries.detach().to(_autograd.acc_dtype(srcs[0].dtype)).contiguous()
+    lse, out = impl[0](qs, _flat(srcs), float(eps), heads, key_norm)
     lse = lse.reshape(nq, *batch, heads)
     return DepthState(lse, torch.ones_like(lse), out.reshape(nq, *batch, d))
 
@@ -235,7 +264,7 @@ def depth_states_batched(
 def depth_attention_merged(
     state: DepthState,
     query: torch.Tensor,
-    sources: torch.Tensor,
+    sources: Sources,
     eps: float = 1e-6,
     *,
     heads: int = 1,
@@ -243,28 +272,27 @@ def depth_attention_merged(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Phase 2 of two-phase inference: ``state`` (of ``query`` over earlier sources) merged with
-    ``query`` over ``sources`` ``[R, *batch, d]`` by online softmax; returns the output ``[*batch, d]``
-    in the sources' dtype. Equals ``merge_states(state, depth_state(query, sources)).output(dtype)``
-    in one pass (forward-only kernels; the functional formulas when autograd needs a graph or the
-    query is not static)."""
-    check_depth_inputs(query, sources, heads)
-    tensors = (query, sources, state.max, state.sum, state.out)
+    ``query`` over ``sources`` (``[R, *batch, d]`` or a list of R ``[*batch, d]``) by online softmax;
+    returns the output ``[*batch, d]`` in the sources' dtype. Equals
+    ``merge_states(state, depth_state(query, sources)).output(dtype)`` in one pass (forward-only
+    kernels; the functional formulas when autograd needs a graph or the query is not static)."""
+    srcs = _checked(query, sources, heads)
+    tensors = (query, state.max, state.sum, state.out, *srcs)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     static = query.shape[:-1].numel() == 1
-    impl = _two_phase_impl(sources, backend, needs_grad) if static else None
+    impl = _two_phase_impl(srcs[0], backend, needs_grad) if static else None
     if impl is None:
-        intra = depth_state(query, sources, eps, heads=heads, key_norm=key_norm)
-        return merge_states(state, intra).output(sources.dtype)
-    r, d = sources.shape[0], sources.shape[-1]
-    batch = sources.shape[1:-1]
-    acc = _autograd.acc_dtype(sources.dtype)
+        intra = depth_state(query, stack_sources(sources), eps, heads=heads, key_norm=key_norm)
+        return merge_states(state, intra).output(srcs[0].dtype)
+    batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
+    acc = _autograd.acc_dtype(srcs[0].dtype)
 
     def flat(t: torch.Tensor, last: int) -> torch.Tensor:
         return t.detach().to(acc).expand(*batch, last).reshape(-1, last).contiguous()
 
-    out = impl.merge(
+    out = impl[1](
         query.detach().to(acc).reshape(d).contiguous(),
-        sources.detach().reshape(r, -1, d).contiguous(),
+        _flat(srcs),
         flat(state.max, heads),
         flat(state.sum, heads),
         flat(state.out, d),

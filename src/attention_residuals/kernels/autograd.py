@@ -3,13 +3,16 @@
 One Function serves every fused backend (``fused`` = eager torch ops, ``compiled`` = the C kernel,
 ``triton`` = the GPU kernels); a backend is a pair of functions on flattened, contiguous tensors::
 
-    forward(q, v, eps, heads, key_norm) -> (out [M, d] in v.dtype, lse [M, H] in acc dtype)
-    backward(q, v, lse, g, eps, heads, key_norm, need_dq, need_dv) -> (dq like q, dv like v)
+    forward(q, vs, eps, heads, key_norm) -> (out [M, d] in the sources' dtype, lse [M, H] in acc dtype)
+    backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv) -> (dq like q, [dv_i like v_i] or None)
 
-with ``v`` the sources ``[N, M, d]``, ``q`` the query ``[d]`` (static) or ``[M, d]`` (one per
-token) already in the accumulation dtype (float32; float64 for float64 sources), and ``lse`` the
-log-sum-exp of the logits over the sources. Saved for backward: the sources, the query and
+with ``vs`` the N sources as a list of ``[M, d]`` tensors (the C kernel reads them where they are,
+through a table of pointers: no stacked copy in forward, none saved for backward), ``q`` the query
+``[d]`` (static) or ``[M, d]`` (one per token) already in the accumulation dtype (float32; float64
+for float64 sources), and ``lse`` the log-sum-exp of the logits over the sources. Saved for
+backward: the sources themselves (already alive as the model's activations), the query and
 ``lse`` -- one float32 scalar per token and head. Keys, logits and weights are recomputed.
+Backends written for one ``[N, M, d]`` tensor are wrapped by :func:`stacking`.
 
 Gradient, per token and head (``dh`` channels), with ``r_i = rsqrt(mean(v_i^2) + eps)``,
 ``z_i = r_i q.v_i``, ``alpha_i = exp(z_i - lse)``, ``s_i = g.v_i``, ``delta = sum_i alpha_i s_i``::
@@ -24,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend"]
+__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend", "stacking"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,7 +96,20 @@ def eager_backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=Tru
     return dq, dv
 
 
-_BACKENDS: dict[str, tuple] = {"fused": (eager_forward, eager_backward)}
+def stacking(forward, backward):
+    """Adapt a backend pair written for one stacked ``[N, M, d]`` tensor to the list contract."""
+
+    def fwd(q, vs, eps, heads, key_norm):
+        return forward(q, torch.stack(vs), eps, heads, key_norm)
+
+    def bwd(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
+        dq, dv = backward(q, torch.stack(vs), lse, g, eps, heads, key_norm, need_dq, need_dv)
+        return dq, (list(dv.unbind(0)) if dv is not None else None)
+
+    return fwd, bwd
+
+
+_BACKENDS: dict[str, tuple] = {"fused": stacking(eager_forward, eager_backward)}
 
 
 def register_backend(name: str, forward, backward) -> None:
@@ -101,29 +117,30 @@ def register_backend(name: str, forward, backward) -> None:
 
 
 class DepthAttentionFunction(torch.autograd.Function):
-    """``apply(query, sources, eps, heads, key_norm, backend)``.
+    """``apply(query, eps, heads, key_norm, backend, *sources)``.
 
-    ``query``: ``[d]`` or ``[M, d]``; ``sources``: ``[N, M, d]`` -> ``[M, d]``. Validation and
-    the flattening of batch dims happen in the dispatcher.
+    ``query``: ``[d]`` or ``[M, d]``; ``sources``: N tensors ``[M, d]`` -> ``[M, d]``. Validation
+    and the flattening of batch dims happen in the dispatcher.
     """
 
     @staticmethod
-    def forward(ctx, query, sources, eps, heads, key_norm, backend):
+    def forward(ctx, query, eps, heads, key_norm, backend, *sources):
         fwd, _ = _BACKENDS[backend]
-        q = query.detach().to(acc_dtype(sources.dtype)).contiguous()
-        v = sources.detach().contiguous()
-        out, lse = fwd(q, v, eps, heads, key_norm)
-        ctx.save_for_backward(q, v, lse)
+        q = query.detach().to(acc_dtype(sources[0].dtype)).contiguous()
+        vs = [v.detach().contiguous() for v in sources]
+        out, lse = fwd(q, vs, eps, heads, key_norm)
+        ctx.save_for_backward(q, lse, *vs)
         ctx.config = (eps, heads, key_norm, backend, query.dtype)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, v, lse = ctx.saved_tensors
+        q, lse, *vs = ctx.saved_tensors
         eps, heads, key_norm, backend, q_dtype = ctx.config
         _, bwd = _BACKENDS[backend]
-        need_dq, need_dv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = grad_out.to(v.dtype).contiguous()
-        dq, dv = bwd(q, v, lse, g, eps, heads, key_norm, need_dq, need_dv)
-        return (dq.to(q_dtype) if need_dq else None, dv if need_dv else None, None, None, None, None)
+        need_dq, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
+        g = grad_out.to(vs[0].dtype).contiguous()
+        dq, dvs = bwd(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v))
+        dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(vs)
+        return (dq.to(q_dtype) if need_dq else None, None, None, None, None, *dvs)

@@ -12,7 +12,9 @@ lazily on first use and never raises: when no compiler is found, the build fails
 back to the eager ``fused`` path.
 
 Supported: float32, bfloat16 (accumulated in float32) and float64 (accumulated in float64, so the
-path can be gradchecked) on contiguous CPU tensors.
+path can be gradchecked) on contiguous CPU tensors. The N sources are passed as a list of
+``[M, d]`` tensors and reach the kernel as a table of N pointers, so they are read where they
+live (no stacked copy).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ __all__ = [
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 
@@ -210,6 +212,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+class _Table:
+    """A C array of the data pointers of ``tensors`` (kept alive as long as the table)."""
+
+    def __init__(self, tensors: list[torch.Tensor] | None) -> None:
+        self.tensors = tensors
+        self.array = None if tensors is None else (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+    @property
+    def ptr(self) -> int | None:
+        return None if self.array is None else ctypes.addressof(self.array)
+
+
 def _lib_for(v: torch.Tensor) -> tuple[ctypes.CDLL, str]:
     lib = _load()
     if lib is None:
@@ -217,24 +231,15 @@ def _lib_for(v: torch.Tensor) -> tuple[ctypes.CDLL, str]:
     return lib, SUPPORTED_DTYPES[v.dtype]
 
 
-def forward(q: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: bool):
-    """``q`` [d] or [M, d] (accumulation dtype), ``v`` [N, M, d] contiguous -> (out [M, d], lse [M, H])."""
-    lib, suf = _lib_for(v)
-    n, m, d = v.shape
-    out = torch.empty((m, d), dtype=v.dtype)
+def forward(q: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key_norm: bool):
+    """``q`` [d] or [M, d] (accumulation dtype), ``vs`` N contiguous [M, d] -> (out [M, d], lse [M, H])."""
+    lib, suf = _lib_for(vs[0])
+    n, (m, d) = len(vs), vs[0].shape
+    out = torch.empty((m, d), dtype=vs[0].dtype)
     lse = torch.empty((m, heads), dtype=q.dtype)
+    table = _Table(vs)
     rc = getattr(lib, f"attnres_fwd_{suf}")(
-        _ptr(v),
-        _ptr(q),
-        _ptr(out),
-        _ptr(lse),
-        n,
-        m,
-        d,
-        heads,
-        int(q.ndim == 1),
-        float(eps),
-        int(key_norm),
+        table.ptr, _ptr(q), _ptr(out), _ptr(lse), n, m, d, heads, int(q.ndim == 1), float(eps), int(key_norm),
         _threads(n * m * d),
     )
     if rc != 0:
@@ -242,53 +247,33 @@ def forward(q: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: 
     return out, lse
 
 
-def backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
-    """Gradients ``(dq like q, accumulation dtype; dv like v)`` given ``g = dL/dout`` [M, d]."""
-    lib, suf = _lib_for(v)
-    n, m, d = v.shape
-    dv = torch.empty_like(v) if need_dv else None
+def backward(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
+    """Gradients ``(dq like q, accumulation dtype; [dv_i like v_i])`` given ``g = dL/dout`` [M, d]."""
+    lib, suf = _lib_for(vs[0])
+    n, (m, d) = len(vs), vs[0].shape
+    dvs = [torch.empty_like(v) for v in vs] if need_dv else None
     dq = torch.empty_like(q) if need_dq else None
+    table, grads = _Table(vs), _Table(dvs)
     rc = getattr(lib, f"attnres_bwd_{suf}")(
-        _ptr(v),
-        _ptr(q),
-        _ptr(lse),
-        _ptr(g),
-        _ptr(dv),
-        _ptr(dq),
-        n,
-        m,
-        d,
-        heads,
-        int(q.ndim == 1),
-        float(eps),
-        int(key_norm),
-        _threads(2 * n * m * d),
+        table.ptr, _ptr(q), _ptr(lse), _ptr(g), grads.ptr, _ptr(dq), n, m, d, heads, int(q.ndim == 1), float(eps),
+        int(key_norm), _threads(2 * n * m * d),
     )
     if rc != 0:
         raise MemoryError("depth attention (compiled): out of memory in the C kernel")
-    return dq, dv
+    return dq, dvs
 
 
-def states(qs: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: bool):
-    """Phase 1: ``qs`` [Q, d] (accumulation dtype) over ``v`` [N, M, d] in one read of ``v``
-    -> (lse [Q, M, H], out [Q, M, d]), both in the accumulation dtype."""
-    lib, suf = _lib_for(v)
-    n, m, d = v.shape
+def states(qs: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key_norm: bool):
+    """Phase 1: ``qs`` [Q, d] (accumulation dtype) over the N sources ``vs`` [M, d] in one read of
+    them -> (lse [Q, M, H], out [Q, M, d]), both in the accumulation dtype."""
+    lib, suf = _lib_for(vs[0])
+    n, (m, d) = len(vs), vs[0].shape
     nq = qs.shape[0]
     lse = torch.empty((nq, m, heads), dtype=qs.dtype)
     out = torch.empty((nq, m, d), dtype=qs.dtype)
+    table = _Table(vs)
     rc = getattr(lib, f"attnres_states_{suf}")(
-        _ptr(v),
-        _ptr(qs),
-        _ptr(lse),
-        _ptr(out),
-        nq,
-        n,
-        m,
-        d,
-        heads,
-        float(eps),
-        int(key_norm),
+        table.ptr, _ptr(qs), _ptr(lse), _ptr(out), nq, n, m, d, heads, float(eps), int(key_norm),
         _threads(nq * n * m * d),
     )
     if rc != 0:
@@ -296,25 +281,16 @@ def states(qs: torch.Tensor, v: torch.Tensor, eps: float, heads: int, key_norm: 
     return lse, out
 
 
-def merge(q, v, st_max, st_sum, st_out, eps, heads, key_norm):
-    """Phase 2: the state (st_max, st_sum [M, H], st_out [M, d]) merged with ``v`` [R, M, d] -> [M, d] in v.dtype."""
-    lib, suf = _lib_for(v)
-    r, m, d = v.shape
-    out = torch.empty((m, d), dtype=v.dtype)
+def merge(q, vs, st_max, st_sum, st_out, eps, heads, key_norm):
+    """Phase 2: the state (st_max, st_sum [M, H], st_out [M, d]) merged with the R sources ``vs``
+    [M, d] -> [M, d] in their dtype."""
+    lib, suf = _lib_for(vs[0])
+    r, (m, d) = len(vs), vs[0].shape
+    out = torch.empty((m, d), dtype=vs[0].dtype)
+    table = _Table(vs)
     rc = getattr(lib, f"attnres_merge_{suf}")(
-        _ptr(v),
-        _ptr(q),
-        _ptr(st_max),
-        _ptr(st_sum),
-        _ptr(st_out),
-        _ptr(out),
-        r,
-        m,
-        d,
-        heads,
-        float(eps),
-        int(key_norm),
-        _threads(2 * r * m * d),
+        table.ptr, _ptr(q), _ptr(st_max), _ptr(st_sum), _ptr(st_out), _ptr(out), r, m, d, heads, float(eps),
+        int(key_norm), _threads(2 * r * m * d),
     )
     if rc != 0:
         raise MemoryError("depth merge (compiled): out of memory in the C kernel")

@@ -45,8 +45,12 @@
 #include <omp.h>
 #endif
 
+#ifndef TILE_BYTES
 #define TILE_BYTES (256 * 1024)
+#endif
+#ifndef MAX_TILE
 #define MAX_TILE 32
+#endif
 #define LANES 32 /* independent partial sums per reduction: hides the FMA latency */
 
 static inline float bf16_load(uint16_t x) {
@@ -224,11 +228,11 @@ static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, con
 /* Forward. scratch: acc [tile, d] | z, then p, [group, tile, H] | max, sum [tile, H] | row [dh] */ \
 static void *fwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
-    const T *v = (const T *)j->v;                                                                 \
+    const T *const *v = (const T *const *)j->v;                                                   \
     const ACC *q = (const ACC *)j->q;                                                             \
     T *out = (T *)j->out;                                                                         \
     ACC *lse = (ACC *)j->lse_out;                                                                 \
-    const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
     const int64_t TT = j->tile, G = j->group;                                                     \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *acc = (ACC *)j->scratch, *zs = acc + TT * d, *mx = zs + G * TT * H, *sm = mx + TT * H;  \
@@ -242,7 +246,7 @@ static void *fwd_worker_##SUF(void *arg) {                                      
             /* pass 1: logits of the group, streaming tn contiguous rows per source */            \
             for (int64_t i = 0; i < gn; ++i) {                                                    \
                 for (int64_t t = 0; t < tn; ++t) {                                                \
-                    const T *x = v + (g0 + i) * stride + (m0 + t) * d;                            \
+                    const T *x = v[g0 + i] + (m0 + t) * d;                                        \
                     const ACC *qt = q + (j->q_static ? 0 : (m0 + t) * d);                         \
                     if (pf_mode == 2 && G == N && m0 + pf_tiles * TT + t < j->m1)                 \
                         prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);             \
@@ -285,15 +289,16 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                 /* the same token of the next tile, all its sources: in flight while we add */    \
                 if (pf_mode == 1 && G == N && m0 + TT + t < j->m1) {                              \
                     for (int64_t i = 0; i < N; ++i)                                               \
-                        prefetch_bytes(v + i * stride + (m0 + TT + t) * d, sizeof(T) * (size_t)d); \
+                        prefetch_bytes(v[i] + (m0 + TT + t) * d, sizeof(T) * (size_t)d);          \
                 }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     ACC *restrict a = acc + t * d + h * dh;                                       \
-                    const T *base = v + g0 * stride + (m0 + t) * d + h * dh;                      \
+                    const T *const *src = v + g0;                                                 \
+                    const int64_t off = (m0 + t) * d + h * dh;                                    \
                     int64_t i = 0;                                                                \
                     for (; i + 4 <= gn; i += 4) {                                                 \
-                        const T *restrict x0 = base + i * stride, *restrict x1 = x0 + stride;     \
-                        const T *restrict x2 = x1 + stride, *restrict x3 = x2 + stride;           \
+                        const T *restrict x0 = src[i] + off, *restrict x1 = src[i + 1] + off;     \
+                        const T *restrict x2 = src[i + 2] + off, *restrict x3 = src[i + 3] + off; \
                         const ACC p0 = zs[(i * TT + t) * H + h], p1 = zs[((i + 1) * TT + t) * H + h]; \
                         const ACC p2 = zs[((i + 2) * TT + t) * H + h], p3 = zs[((i + 3) * TT + t) * H + h]; \
                         _Pragma("omp simd")                                                       \
@@ -301,7 +306,7 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                             a[c] += p0 * LOAD(x0[c]) + p1 * LOAD(x1[c]) + p2 * LOAD(x2[c]) + p3 * LOAD(x3[c]); \
                     }                                                                             \
                     for (; i < gn; ++i) {                                                         \
-                        const T *restrict x0 = base + i * stride;                                 \
+                        const T *restrict x0 = src[i] + off;                                      \
                         const ACC p0 = zs[(i * TT + t) * H + h];                                  \
                         _Pragma("omp simd")                                                       \
                         for (int64_t c = 0; c < dh; ++c) a[c] += p0 * LOAD(x0[c]);                \
@@ -334,12 +339,12 @@ static void *fwd_worker_##SUF(void *arg) {                                      
 /* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] | row */ \
 static void *bwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
-    const T *v = (const T *)j->v;                                                                 \
+    const T *const *v = (const T *const *)j->v;                                                   \
     const T *g = (const T *)j->g;                                                                 \
     const ACC *q = (const ACC *)j->q;                                                             \
     const ACC *lse = (const ACC *)j->lse;                                                         \
-    T *dv = (T *)j->dv;                                                                           \
-    const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    T *const *dv = (T *const *)j->dv;                                                             \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
     const int64_t TT = j->tile, S = N * TT * H;                                                   \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *dqp = (ACC *)j->scratch;                                                                 \
@@ -353,7 +358,7 @@ static void *bwd_worker_##SUF(void *arg) {                                      
         for (int64_t i = 0; i < N; ++i) {                                                         \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 const int64_t m = m0 + t;                                                         \
-                const T *x = v + i * stride + m * d;                                              \
+                const T *x = v[i] + m * d;                                                        \
                 const T *gt = g + m * d;                                                          \
                 if (pf_mode == 2 && m0 + pf_tiles * TT + t < j->m1) {                             \
                     prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);                 \
@@ -376,22 +381,22 @@ static void *bwd_worker_##SUF(void *arg) {                                      
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 const int64_t m = m0 + t;                                                         \
                 if (pf_mode == 1 && m0 + TT + t < j->m1) { /* next tile's rows, in flight */      \
-                    prefetch_bytes(v + i * stride + (m + TT) * d, sizeof(T) * (size_t)d);         \
+                    prefetch_bytes(v[i] + (m + TT) * d, sizeof(T) * (size_t)d);                 \
                     if (i == 0) prefetch_bytes(g + (m + TT) * d, sizeof(T) * (size_t)d);          \
                 }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     const int64_t k = (i * TT + t) * H + h, o = m * d + h * dh;                   \
-                    const T *restrict x = v + i * stride + o;                                     \
+                    const T *restrict x = v[i] + o;                                               \
                     const T *restrict gh = g + o;                                                 \
                     const ACC *restrict qh = q + (j->q_static ? h * dh : o);                      \
                     const ACC al = sa[k], dz = al * (sg[k] - sd[t * H + h]), ca = dz * sr[k];     \
                     const ACC cb = j->key_norm ? -dz * sz[k] * sr[k] * sr[k] * inv_dh : (ACC)0;   \
                     if (dv) {                                                                     \
-                        T *restrict dx = j->stream ? row : dv + i * stride + o;                   \
+                        T *restrict dx = j->stream ? row : dv[i] + o;                             \
                         _Pragma("omp simd")                                                       \
                         for (int64_t c = 0; c < dh; ++c)                                          \
                             dx[c] = STORE(al * LOAD(gh[c]) + ca * qh[c] + cb * LOAD(x[c]));       \
-                        if (j->stream) stream_bytes(dv + i * stride + o, row, sizeof(T) * (size_t)dh); \
+                        if (j->stream) stream_bytes(dv[i] + o, row, sizeof(T) * (size_t)dh);     \
                     }                                                                             \
                     if (dq) {                                                                     \
                         ACC *restrict dqh = dq + (j->q_static ? h * dh : o);                      \
@@ -406,7 +411,7 @@ static void *bwd_worker_##SUF(void *arg) {                                      
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-int attnres_fwd_##SUF(const void *v, const void *q, void *out, void *lse, int64_t N, int64_t M, \
+int attnres_fwd_##SUF(const void *const *v, const void *q, void *out, void *lse, int64_t N, int64_t M, \
                       int64_t d, int64_t H, int q_static, double eps, int key_norm, int nthreads) { \
     job_t p;                                                                                      \
     memset(&p, 0, sizeof p);                                                                      \
@@ -424,12 +429,12 @@ int attnres_fwd_##SUF(const void *v, const void *q, void *out, void *lse, int64_
 }                                                                                                 \
                                                                                                   \
 /* dq (may be NULL): [d] if q_static else [M, d], accumulation type, overwritten. */             \
-int attnres_bwd_##SUF(const void *v, const void *q, const void *lse, const void *g, void *dv,   \
-                      void *dq, int64_t N, int64_t M, int64_t d, int64_t H, int q_static,        \
-                      double eps, int key_norm, int nthreads) {                                   \
+int attnres_bwd_##SUF(const void *const *v, const void *q, const void *lse, const void *g,      \
+                      void *const *dv, void *dq, int64_t N, int64_t M, int64_t d, int64_t H,      \
+                      int q_static, double eps, int key_norm, int nthreads) {                     \
     job_t p;                                                                                      \
     memset(&p, 0, sizeof p);                                                                      \
-    p.v = v; p.q = q; p.lse = lse; p.g = g; p.dv = dv; p.dq = dq;                                 \
+    p.v = v; p.q = q; p.lse = lse; p.g = g; p.dv = (void *)dv; p.dq = dq;                                 \
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
     if (M <= 0) return 0;                                                                         \
@@ -479,10 +484,10 @@ static inline ACC dot_##SUF(const T *restrict x, const ACC *restrict q, int64_t 
 /* scratch: z, then p, [Q, N, tile, H] */                                                         \
 static void *states_worker_##SUF(void *arg) {                                                     \
     job_t *j = (job_t *)arg;                                                                      \
-    const T *v = (const T *)j->v;                                                                 \
+    const T *const *v = (const T *const *)j->v;                                                   \
     const ACC *qs = (const ACC *)j->q;                                                            \
     ACC *out = (ACC *)j->out, *lse = (ACC *)j->lse_out;                                           \
-    const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H;                             \
     const int64_t TT = j->tile, Q = j->group;                                                     \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *zs = (ACC *)j->scratch;                                                                  \
@@ -490,7 +495,7 @@ static void *states_worker_##SUF(void *arg) {                                   
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
         for (int64_t i = 0; i < N; ++i) {       /* pass 1: Q logits per row, one read */          \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
-                const T *x = v + i * stride + (m0 + t) * d;                                       \
+                const T *x = v[i] + (m0 + t) * d;                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     ACC ss, qv;                                                                   \
                     reduce2_##SUF(x + h * dh, qs + h * dh, dh, &ss, &qv);                         \
@@ -517,12 +522,12 @@ static void *states_worker_##SUF(void *arg) {                                   
                     const ACC inv = (ACC)1 / l;                                                   \
                     lse[(k * M + m0 + t) * H + h] = mx + LOG(l);                                  \
                     ACC *restrict a = out + (k * M + m0 + t) * d + h * dh;                        \
-                    const T *base = v + (m0 + t) * d + h * dh;                                    \
+                    const int64_t off = (m0 + t) * d + h * dh;                                    \
                     memset(a, 0, sizeof(ACC) * (size_t)dh);                                       \
                     int64_t i = 0;                                                                \
                     for (; i + 4 <= N; i += 4) {                                                  \
-                        const T *restrict x0 = base + i * stride, *restrict x1 = x0 + stride;     \
-                        const T *restrict x2 = x1 + stride, *restrict x3 = x2 + stride;           \
+                        const T *restrict x0 = v[i] + off, *restrict x1 = v[i + 1] + off;         \
+                        const T *restrict x2 = v[i + 2] + off, *restrict x3 = v[i + 3] + off;     \
                         const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
                         const ACC p1 = zs[((k * N + i + 1) * TT + t) * H + h] * inv;              \
                         const ACC p2 = zs[((k * N + i + 2) * TT + t) * H + h] * inv;              \
@@ -532,7 +537,7 @@ static void *states_worker_##SUF(void *arg) {                                   
                             a[c] += p0 * LOAD(x0[c]) + p1 * LOAD(x1[c]) + p2 * LOAD(x2[c]) + p3 * LOAD(x3[c]); \
                     }                                                                             \
                     for (; i < N; ++i) {                                                          \
-                        const T *restrict x0 = base + i * stride;                                 \
+                        const T *restrict x0 = v[i] + off;                                        \
                         const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
                         _Pragma("omp simd")                                                       \
                         for (int64_t c = 0; c < dh; ++c) a[c] += p0 * LOAD(x0[c]);                \
@@ -544,7 +549,7 @@ static void *states_worker_##SUF(void *arg) {                                   
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-int attnres_states_##SUF(const void *v, const void *qs, void *lse, void *out, int64_t Q, int64_t N, \
+int attnres_states_##SUF(const void *const *v, const void *qs, void *lse, void *out, int64_t Q, int64_t N, \
                          int64_t M, int64_t d, int64_t H, double eps, int key_norm, int nthreads) { \
     job_t p;                                                                                      \
     memset(&p, 0, sizeof p);                                                                      \
@@ -564,11 +569,11 @@ int attnres_states_##SUF(const void *v, const void *qs, void *lse, void *out, in
 /* scratch: z, then p, [R] */                                                                     \
 static void *merge_worker_##SUF(void *arg) {                                                      \
     job_t *j = (job_t *)arg;                                                                      \
-    const T *v = (const T *)j->v;                                                                 \
+    const T *const *v = (const T *const *)j->v;                                                   \
     const ACC *q = (const ACC *)j->q;                                                             \
     const ACC *st_max = (const ACC *)j->lse, *st_sum = (const ACC *)j->g, *st_out = (const ACC *)j->dq; \
     T *out = (T *)j->out;                                                                         \
-    const int64_t R = j->N, M = j->M, d = j->d, H = j->H, dh = d / H, stride = M * d;           \
+    const int64_t R = j->N, d = j->d, H = j->H, dh = d / H;                                       \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
     ACC *zs = (ACC *)j->scratch;                                                                  \
     for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
@@ -577,7 +582,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
             ACC mx = st_max[m * H + h];                                                           \
             for (int64_t r = 0; r < R; ++r) {                                                     \
                 ACC ss, qv;                                                                       \
-                reduce2_##SUF(v + r * stride + o, q + h * dh, dh, &ss, &qv);                      \
+                reduce2_##SUF(v[r] + o, q + h * dh, dh, &ss, &qv);                                \
                 ACC rr = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;                 \
                 zs[r] = qv * rr;                                                                  \
                 mx = zs[r] > mx ? zs[r] : mx;                                                     \
@@ -588,7 +593,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
             const ACC *restrict so = st_out + o;                                                  \
             T *restrict dst = out + o;                                                            \
             if (R == 1) {                                                                         \
-                const T *restrict x0 = v + o;                                                     \
+                const T *restrict x0 = v[0] + o;                                                  \
                 const ACC p0 = zs[0] * inv;                                                       \
                 _Pragma("omp simd")                                                               \
                 for (int64_t c = 0; c < dh; ++c) dst[c] = STORE(a0 * so[c] + p0 * LOAD(x0[c]));   \
@@ -597,7 +602,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
                 _Pragma("omp simd")                                                               \
                 for (int64_t c = 0; c < dh; ++c) acc[c] = a0 * so[c];                             \
                 for (int64_t r = 0; r < R; ++r) {                                                 \
-                    const T *restrict x0 = v + r * stride + o;                                    \
+                    const T *restrict x0 = v[r] + o;                                              \
                     const ACC p0 = zs[r] * inv;                                                   \
                     _Pragma("omp simd")                                                           \
                     for (int64_t c = 0; c < dh; ++c) acc[c] += p0 * LOAD(x0[c]);                  \
@@ -610,7 +615,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-int attnres_merge_##SUF(const void *v, const void *q, const void *st_max, const void *st_sum,   \
+int attnres_merge_##SUF(const void *const *v, const void *q, const void *st_max, const void *st_sum,   \
                         const void *st_out, void *out, int64_t R, int64_t M, int64_t d, int64_t H, \
                         double eps, int key_norm, int nthreads) {                                 \
     job_t p;                                                                                      \
@@ -630,7 +635,7 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
 
-int attnres_abi_version(void) { return 6; }
+int attnres_abi_version(void) { return 7; }
 
 /* 1 when the workers run on OpenMP (shared with torch), 0 on POSIX threads. */
 int attnres_uses_openmp(void) {
