@@ -417,3 +417,13 @@ def test_two_phase_kernels_fall_back_under_autograd():
         kernels.depth_states_batched(torch.randn(6), v)
     with pytest.raises(ValueError, match="query"):
         kernels.depth_attention_merged(state[0], torch.randn(5), v)
+
+
+def test_stacked_reuses_the_slices_of_one_tensor():
+    """The eager and Triton backends stack a list of sources; slices of one tensor are not copied."""
+    v = torch.randn(4, 6, 8)
+    again = autograd.stacked(list(v.unbind(0)))
+    assert again.data_ptr() == v.data_ptr() and torch.equal(again, v)
+    parts = [torch.randn(6, 8) for _ in range(3)]
+    torch.testing.assert_close(autograd.stacked(parts), torch.stack(parts))
+    assert autograd.stacked(list(v.unbind(0))[::-1]).data_ptr() != v.data_ptr()  # out of order: a copy

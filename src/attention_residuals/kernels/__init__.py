@@ -226,8 +226,8 @@ def _two_phase_impl(source: torch.Tensor, backend: str, needs_grad: bool):
     from . import triton_kernels
 
     return (
-        lambda qs, vs, *a: triton_kernels.states(qs, torch.stack(vs), *a),
-        lambda q, vs, *a: triton_kernels.merge(q, torch.stack(vs), *a),
+        lambda qs, vs, *a: triton_kernels.states(qs, _autograd.stacked(vs), *a),
+        lambda q, vs, *a: triton_kernels.merge(q, _autograd.stacked(vs), *a),
     )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend", "stacking"]
+__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend", "stacked", "stacking"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -96,14 +96,29 @@ def eager_backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=Tru
     return dq, dv
 
 
+def stacked(vs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(vs)``, without the copy when ``vs`` are the consecutive slices of one tensor
+    (a stacked ``[N, ...]`` input the dispatcher unbound)."""
+    first = vs[0]
+    step = first.numel()
+    storage = first.untyped_storage().data_ptr()
+    if first.is_contiguous() and all(
+        v.untyped_storage().data_ptr() == storage and v.storage_offset() == first.storage_offset() + i * step
+        and v.shape == first.shape and v.is_contiguous()
+        for i, v in enumerate(vs)
+    ):
+        return first.as_strided((len(vs), *first.shape), (step, *first.stride()))
+    return torch.stack(vs)
+
+
 def stacking(forward, backward):
     """Adapt a backend pair written for one stacked ``[N, M, d]`` tensor to the list contract."""
 
     def fwd(q, vs, eps, heads, key_norm):
-        return forward(q, torch.stack(vs), eps, heads, key_norm)
+        return forward(q, stacked(vs), eps, heads, key_norm)
 
     def bwd(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
-        dq, dv = backward(q, torch.stack(vs), lse, g, eps, heads, key_norm, need_dq, need_dv)
+        dq, dv = backward(q, stacked(vs), lse, g, eps, heads, key_norm, need_dq, need_dv)
         return dq, (list(dv.unbind(0)) if dv is not None else None)
 
     return fwd, bwd
