@@ -34,6 +34,10 @@ def test_specs_cover_the_report_tables():
     sizes = {s.variant for s in ex.specs("blocksize", full)}
     L = 2 * full.mid[1]
     assert {f"S={s}" for s in (1, 2, 4, 8, L)} <= sizes
+    shape = ex.specs("shape", full)
+    assert {s.variant for s in shape} == {"prenorm", "block"} and len({s.group for s in shape}) >= 4
+    params = [12 * s.overrides["n_layer"] * s.overrides["d_model"] ** 2 for s in shape]
+    assert max(params) / min(params) < 1.3  # about fixed parameters: only the shape changes
     with pytest.raises(ValueError, match="experiment"):
         ex.specs("nope", full)
 
@@ -44,7 +48,8 @@ def test_quick_pipeline_end_to_end(tmp_path):
         res = json.loads((tmp_path / name / "results.json").read_text())
         assert res["meta"]["budget"] == "quick" and len(res["meta"]["corpus_sha256"]) == 64
         assert (tmp_path / name / "table.md").read_text().count("|") > 10
-    for png in ("scaling/scaling.png", "blocksize/blocksize.png", "analysis/dynamics.png", "analysis/depth_weights.png"):
+    for png in ("scaling/scaling.png", "blocksize/blocksize.png", "analysis/dynamics.png", "analysis/depth_weights.png",
+                "shape/shape.png"):
         assert (tmp_path / png).stat().st_size > 1000
     scaling = json.loads((tmp_path / "scaling" / "results.json").read_text())
     assert set(scaling["fits"]) == {"prenorm", "full", "block", "mhc"}

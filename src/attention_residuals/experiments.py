@@ -1,6 +1,6 @@
 """Floor 6: the report's section-5 experiments at small scale, one command each.
 
-``attnres experiment scaling|ablation|blocksize|analysis|report [--budget quick|full]``
+``attnres experiment scaling|ablation|blocksize|analysis|shape|report [--budget quick|full]``
 
 Every experiment is a list of runs; each run is an ordinary training run directory under
 ``<root>/runs/<key>`` (the key spells out its config and seed, so experiments that need the same
@@ -30,7 +30,7 @@ import numpy as np
 __all__ = ["RunSpec", "BUDGETS", "specs", "run_experiment", "fit_power_law", "compute_advantage", "main"]
 
 PFLOPS_DAY = 8.64e19
-EXPERIMENTS = ("scaling", "ablation", "blocksize", "analysis")
+EXPERIMENTS = ("scaling", "ablation", "blocksize", "analysis", "shape")
 
 # Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
 REPORT_ABLATION = {
@@ -64,6 +64,7 @@ class Budget:
     seeds: int
     sizes: tuple[tuple[int, int, int, int], ...]  # (d_model, n_layer, n_head, steps)
     mid: tuple[int, int, int]  # (d_model, n_layer, n_head) of the ablation / blocksize model
+    shapes: tuple[tuple[int, int, int], ...] = ()  # (d_model, n_layer, n_head) at ~ the mid model's parameters
     lr: float = 3e-3
     warmup: int = 50
 
@@ -71,11 +72,13 @@ class Budget:
 BUDGETS: dict[str, Budget] = {
     # seconds in all: checks the pipeline end to end, not the numbers
     "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
-                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), warmup=2),
+                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), shapes=((32, 4, 2), (48, 2, 2)), warmup=2),
     # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
     "full": Budget(steps=500, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
                    sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
-                   mid=(96, 8, 4)),
+                   mid=(96, 8, 4),
+                   # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
+                   shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4))),
 }
 
 
@@ -142,6 +145,11 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
         for v, o in {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"},
                      "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
             out.append(RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0))
+    elif experiment == "shape":
+        for d, n_layer, n_head in budget.shapes:
+            for v, o in {"prenorm": {"residual": "prenorm"},
+                         "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
+                out.append(RunSpec(f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"))
     else:
         raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
     return out
@@ -204,7 +212,8 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
         "train_s_total": round(sum(s.get("train_s", 0.0) for s in summaries.values()), 1),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
     }
-    analyse = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis}[experiment]
+    analyse = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis,
+               "shape": _shape}[experiment]
     exp_dir.mkdir(parents=True, exist_ok=True)
     results = analyse(todo, summaries, exp_dir, budget, meta)
     results["run_dirs"] = {spec.name: summaries[spec.name]["run_dir"] for spec in todo}
@@ -400,6 +409,45 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         lines.append(f"| {name} | {_final(summaries[name]):.4f} | {max(hin) / min(hin):.2f} | {max(g) / min(g):.2f} |")
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"runs": out}
+
+
+def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
+    """The report's architecture sweep (its figure 7) in one dimension: at about fixed parameters
+    and tokens, loss against d_model / L_b (L_b = n_layer, the Transformer blocks)."""
+    rows = []
+    for spec in todo:
+        s, o = summaries[spec.name], spec.overrides
+        rows.append({"shape": spec.group, "variant": spec.variant, "d_model": o["d_model"], "n_layer": o["n_layer"],
+                     "d_over_L": o["d_model"] / o["n_layer"], "params": s["params"], "val_loss": _final(s)})
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    best = {}
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        pts = sorted((r["d_over_L"], r["val_loss"]) for r in rows if r["variant"] == v)
+        line = ax.plot(*zip(*pts), "o-", label=v)[0]
+        best[v] = min(pts, key=lambda p: p[1])
+        ax.plot(*best[v], "*", ms=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("d_model / L_b (L_b = Transformer blocks), ~fixed parameters")
+    ax.set_ylabel("validation loss")
+    ax.set_title("Width / depth trade-off (star: best)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(exp_dir / "shape.png", dpi=120)
+    plt.close(fig)
+    by = {(r["shape"], r["variant"]): r for r in rows}
+    lines = ["| d_model | L_b | d_model / L_b | params | prenorm | block | Δ (block − prenorm) |", "|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        p, b = by.get((shape, "prenorm")), by.get((shape, "block"))
+        ref = p or b
+        cells = [f"{x['val_loss']:.4f}" if x else "—" for x in (p, b)]
+        delta = f"{b['val_loss'] - p['val_loss']:+.4f}" if p and b else "—"
+        lines.append(f"| {ref['d_model']} | {ref['n_layer']} | {ref['d_over_L']:.1f} | {ref['params']:,} | "
+                     f"{cells[0]} | {cells[1]} | {delta} |")
+    lines += ["", "Best d_model / L_b: " + ", ".join(f"{v} {x:.1f} ({y:.4f})" for v, (x, y) in best.items())
+              + " (the report: baseline 60, AttnRes 45, at 2.3e8 active parameters)."]
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"rows": rows, "best_d_over_L": {v: x for v, (x, _) in best.items()}}
 
 
 # ---------------------------------------------------------------- report
