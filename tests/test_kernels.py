@@ -427,3 +427,19 @@ def test_stacked_reuses_the_slices_of_one_tensor():
     parts = [torch.randn(6, 8) for _ in range(3)]
     torch.testing.assert_close(autograd.stacked(parts), torch.stack(parts))
     assert autograd.stacked(list(v.unbind(0))[::-1]).data_ptr() != v.data_ptr()  # out of order: a copy
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_traces_under_torch_compile(as_list):
+    """Inside torch.compile the dispatcher takes the fused eager path; output and gradients hold."""
+    torch._dynamo.reset()
+    q = torch.randn(8, requires_grad=True)
+    v = torch.randn(3, 2, 4, 8, requires_grad=True)
+    sources = list(v.unbind(0)) if as_list else v
+    f = torch.compile(lambda q, s: depth_attention(q, s, heads=2), backend="aot_eager", fullgraph=True)
+    out = f(q, sources)
+    dq, dv = torch.autograd.grad(out.square().sum(), (q, v))
+    ref = depth_attention_reference(q, v, heads=2)
+    rq, rv = torch.autograd.grad(ref.square().sum(), (q, v))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close((dq, dv), (rq, rv))

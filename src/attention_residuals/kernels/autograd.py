@@ -98,7 +98,10 @@ def eager_backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=Tru
 
 def stacked(vs: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(vs)``, without the copy when ``vs`` are the consecutive slices of one tensor
-    (a stacked ``[N, ...]`` input the dispatcher unbound)."""
+    (a stacked ``[N, ...]`` input the dispatcher unbound). Under ``torch.compile``: plain stack
+    (the compiler fuses it; storage pointers are not traceable)."""
+    if torch.compiler.is_compiling():
+        return torch.stack(vs)
     first = vs[0]
     step = first.numel()
     storage = first.untyped_storage().data_ptr()
