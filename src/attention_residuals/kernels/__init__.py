@@ -150,10 +150,11 @@ def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: s
     return backend
 
 
-Sources = "torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]"
+#: what the ops accept as sources: one ``[N, *batch, d]`` tensor or N ``[*batch, d]`` tensors
+Sources = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-def _checked(query: torch.Tensor, sources, heads: int) -> list[torch.Tensor]:
+def _checked(query: torch.Tensor, sources: Sources, heads: int) -> list[torch.Tensor]:
     """Validate ``(query, sources)`` and return the sources as a list of ``[*batch, d]`` tensors."""
     if isinstance(sources, torch.Tensor):
         check_depth_inputs(query, sources, heads)
