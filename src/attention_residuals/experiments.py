@@ -281,6 +281,9 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
                     label=f"{v}: {a:.3f}·C^-{alpha:.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    # a loss range of ~1.3x spans no decade: label the minor ticks with plain numbers instead
+    ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%.1f"))
+    ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     ax.set_xlabel("compute C (PFLOP/s-days)")
     ax.set_ylabel("validation loss")
     ax.set_title("Scaling: loss vs compute")
@@ -291,7 +294,9 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
               f"{r['val_loss']:.4f} |" for r in rows]
-    lines += ["", "| variant | A | α | compute advantage over baseline at largest C | report A, α |", "|---|---|---|---|---|"]
+    lines += ["", "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
+              "T = context; one seed per point; fit: least squares of log loss on log C.", "",
+              "| variant | A | α | compute advantage over baseline at largest C | report A, α |", "|---|---|---|---|---|"]
     for v, (a, alpha) in fits.items():
         rep = REPORT_SCALING.get(v)
         rep_s = f"{rep[0]}, {rep[1]}" if rep else "—"
