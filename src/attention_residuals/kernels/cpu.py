@@ -45,7 +45,7 @@ __all__ = [
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 

@@ -25,7 +25,7 @@
  * weighted sum, or the gradients). T is chosen so that all N sources of a tile fit TILE_BYTES; when
  * even one token's sources do not, the sources are taken in groups that fit, merged by online
  * softmax (running max and normaliser per token, the accumulator rescaled when the max grows).
- * While a tile is reduced, the rows of the tile two ahead are prefetched, so the memory stream
+ * While a row is reduced, the memory PREFETCH_BYTES ahead of it is prefetched, so the stream
  * keeps going during the arithmetic; outputs larger than STREAM threshold (8 MiB: the output of
  * the forward, the sources' gradient) are written with non-temporal stores, which skips reading
  * the lines they overwrite. Work is split over tokens between nthreads POSIX threads; the
@@ -48,10 +48,88 @@
 #ifndef TILE_BYTES
 #define TILE_BYTES (256 * 1024)
 #endif
+/* Pass 1 prefetches the source row this far ahead of the one it reduces (the next rows of the same
+ * source in a tile are contiguous): +8-10 % forward speed on the benchmark shape, against none and
+ * against prefetching whole rows of the next tiles. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192
+#endif
 #ifndef MAX_TILE
 #define MAX_TILE 32
 #endif
-#define LANES 32 /* independent partial sums per reduction: hides the FMA latency */
+/* Vectors. The hot loops are written with the compiler's vector extensions (GCC and Clang): a
+ * vector is one register of the widest kind -march=native offers (64 bytes with AVX-512, 32
+ * otherwise), and a few independent accumulators per reduction hide the FMA latency. Plain
+ * arrays with `omp simd` were 2-7x slower here: the compiler kept them in memory. */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#else
+#define VBYTES 32
+#endif
+typedef float vf32 __attribute__((vector_size(VBYTES)));
+typedef double vf64 __attribute__((vector_size(VBYTES)));
+typedef uint32_t vu32 __attribute__((vector_size(VBYTES)));
+typedef uint16_t vu16 __attribute__((vector_size(VBYTES / 2)));
+#define VW_f32 ((int64_t)(VBYTES / 4))
+#define VW_f64 ((int64_t)(VBYTES / 8))
+
+static inline vf32 vload_f32(const float *p) { vf32 x; memcpy(&x, p, sizeof x); return x; }
+static inline void vstore_f32(float *p, vf32 x) { memcpy(p, &x, sizeof x); }
+static inline vf64 vload_f64(const double *p) { vf64 x; memcpy(&x, p, sizeof x); return x; }
+static inline void vstore_f64(double *p, vf64 x) { memcpy(p, &x, sizeof x); }
+static inline vf32 vload_bf16(const uint16_t *p) {
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    vu32 w = __builtin_convertvector(h, vu32) << 16;
+    vf32 x;
+    memcpy(&x, &w, sizeof x);
+    return x;
+}
+static inline void vstore_bf16(uint16_t *p, vf32 x) { /* as bf16_store, lane by lane */
+    vu32 u;
+    memcpy(&u, &x, sizeof u);
+    vu32 nan = (vu32)((u & 0x7fffffffu) > 0x7f800000u);
+    vu32 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (((u >> 16) | 0x40u) & nan);
+    vu16 h = __builtin_convertvector(r, vu16);
+    memcpy(p, &h, sizeof h);
+}
+/* Store a vector; with `stream`, as non-temporal stores (outputs larger than the cache skip reading
+ * the lines they overwrite) where the destination is aligned for them. */
+static inline void stream_vec(void *dst, const void *src, size_t n) {
+#if defined(__AVX__)
+    if (((uintptr_t)dst & 31) == 0 && n % 32 == 0) {
+        for (size_t o = 0; o < n; o += 32)
+            _mm256_stream_si256((__m256i *)((char *)dst + o), _mm256_loadu_si256((const __m256i *)((const char *)src + o)));
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+static inline void put_f32(float *dst, vf32 x, int stream) {
+    if (stream) stream_vec(dst, &x, sizeof x); else vstore_f32(dst, x);
+}
+static inline void put_f64(double *dst, vf64 x, int stream) {
+    if (stream) stream_vec(dst, &x, sizeof x); else vstore_f64(dst, x);
+}
+static inline void put_bf16(uint16_t *dst, vf32 x, int stream) {
+    if (stream) {
+        uint16_t h[VW_f32];
+        vstore_bf16(h, x);
+        stream_vec(dst, h, sizeof h);
+    } else {
+        vstore_bf16(dst, x);
+    }
+}
+static inline float vsum_f32(vf32 x) {
+    float s = 0;
+    for (int l = 0; l < (int)VW_f32; ++l) s += x[l];
+    return s;
+}
+static inline double vsum_f64(vf64 x) {
+    double s = 0;
+    for (int l = 0; l < (int)VW_f64; ++l) s += x[l];
+    return s;
+}
 
 static inline float bf16_load(uint16_t x) {
     union { uint32_t u; float f; } c;
@@ -67,44 +145,11 @@ static inline uint16_t bf16_store(float f) { /* round to nearest even; NaN stays
     return (uint16_t)(c.u >> 16);
 }
 
-/* Copy n bytes to dst with non-temporal stores where possible: outputs much larger than the
- * cache are written straight to memory, without first reading the lines they replace. */
-static inline void stream_bytes(void *dst, const void *src, size_t n) {
-#if defined(__AVX__)
-    char *d = (char *)dst;
-    const char *s = (const char *)src;
-    size_t head = (32 - ((uintptr_t)d & 31)) & 31;
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    d += head; s += head; n -= head;
-    for (; n >= 32; n -= 32, d += 32, s += 32)
-        _mm256_stream_si256((__m256i *)d, _mm256_loadu_si256((const __m256i *)s));
-    memcpy(d, s, n);
-#else
-    memcpy(dst, src, n);
-#endif
-}
-
 static inline void stream_fence(void) {
 #if defined(__AVX__)
     _mm_sfence();
 #endif
 }
-
-static inline void prefetch_bytes(const void *p, size_t n) {
-    const char *c = (const char *)p;
-    for (size_t off = 0; off < n; off += 64) __builtin_prefetch(c + off, 0, 2);
-}
-
-/* Where the next tile is prefetched: 1 = during pass 2, 2 = during pass 1 (row by row). */
-#ifndef PF_MODE
-#define PF_MODE 2
-#endif
-static const int pf_mode = PF_MODE;
-#ifndef PF_TILES
-#define PF_TILES 2
-#endif
-static const int pf_tiles = PF_TILES; /* how many tiles ahead */
 
 /* Outputs at least this large bypass the cache (settable, for tests). */
 static int64_t stream_threshold = 8 << 20;
@@ -184,48 +229,54 @@ static char *launch(worker_t work, const job_t *proto, int nt, size_t bytes) {
     return scratch;
 }
 
-#define DEFINE_KERNELS(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT)                                  \
+#define DEFINE_KERNELS(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT, V, VW, VLOAD, PUT, ALOAD, ASTORE, VSUM) \
 /* *a = sum x^2, *b = sum x.q over n channels */                                                  \
-static inline void reduce2_##SUF(const T *restrict x, const ACC *restrict q, int64_t n,          \
+static inline void reduce2_##SUF(const T *restrict x, const ACC *restrict q, int64_t n,           \
                                  ACC *a, ACC *b) {                                                \
-    ACC sa[LANES] = {0}, sb[LANES] = {0}, ra = 0, rb = 0;                                         \
+    V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};             \
     int64_t c = 0;                                                                                \
-    for (; c + LANES <= n; c += LANES) {                                                          \
-        _Pragma("omp simd")                                                                       \
-        for (int l = 0; l < LANES; ++l) {                                                         \
-            ACC xv = LOAD(x[c + l]);                                                              \
-            sa[l] += xv * xv;                                                                     \
-            sb[l] += xv * q[c + l];                                                               \
-        }                                                                                         \
+    for (; c + 4 * VW <= n; c += 4 * VW) {                                                        \
+        for (size_t o = 0; o < 4 * VW * sizeof(T); o += 64) __builtin_prefetch((const char *)(x + c) + PREFETCH_BYTES + o, 0, 3); \
+        const V x0 = VLOAD(x + c), x1 = VLOAD(x + c + VW), x2 = VLOAD(x + c + 2 * VW), x3 = VLOAD(x + c + 3 * VW); \
+        a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;                               \
+        b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                    \
+        b2 += x2 * ALOAD(q + c + 2 * VW); b3 += x3 * ALOAD(q + c + 3 * VW);                       \
     }                                                                                             \
+    for (; c + VW <= n; c += VW) {                                                                \
+        const V x0 = VLOAD(x + c);                                                                \
+        a0 += x0 * x0; b0 += x0 * ALOAD(q + c);                                                   \
+    }                                                                                             \
+    ACC ra = VSUM((a0 + a1) + (a2 + a3)), rb = VSUM((b0 + b1) + (b2 + b3));                       \
     for (; c < n; ++c) { ACC xv = LOAD(x[c]); ra += xv * xv; rb += xv * q[c]; }                   \
-    for (int l = 0; l < LANES; ++l) { ra += sa[l]; rb += sb[l]; }                                 \
     *a = ra; *b = rb;                                                                             \
 }                                                                                                 \
                                                                                                   \
 /* also *e = sum x.g */                                                                           \
 static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, const T *restrict g, \
                                  int64_t n, ACC *a, ACC *b, ACC *e) {                             \
-    ACC sa[LANES] = {0}, sb[LANES] = {0}, se[LANES] = {0}, ra = 0, rb = 0, re = 0;                \
+    V a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, e0 = {0}, e1 = {0};                                 \
     int64_t c = 0;                                                                                \
-    for (; c + LANES <= n; c += LANES) {                                                          \
-        _Pragma("omp simd")                                                                       \
-        for (int l = 0; l < LANES; ++l) {                                                         \
-            ACC xv = LOAD(x[c + l]);                                                              \
-            sa[l] += xv * xv;                                                                     \
-            sb[l] += xv * q[c + l];                                                               \
-            se[l] += xv * LOAD(g[c + l]);                                                         \
-        }                                                                                         \
+    for (; c + 2 * VW <= n; c += 2 * VW) {                                                        \
+        for (size_t o = 0; o < 2 * VW * sizeof(T); o += 64) __builtin_prefetch((const char *)(x + c) + PREFETCH_BYTES + o, 0, 3); \
+        const V x0 = VLOAD(x + c), x1 = VLOAD(x + c + VW);                                        \
+        a0 += x0 * x0; a1 += x1 * x1;                                                             \
+        b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                    \
+        e0 += x0 * VLOAD(g + c); e1 += x1 * VLOAD(g + c + VW);                                    \
     }                                                                                             \
+    for (; c + VW <= n; c += VW) {                                                                \
+        const V x0 = VLOAD(x + c);                                                                \
+        a0 += x0 * x0; b0 += x0 * ALOAD(q + c); e0 += x0 * VLOAD(g + c);                          \
+    }                                                                                             \
+    ACC ra = VSUM(a0 + a1), rb = VSUM(b0 + b1), re = VSUM(e0 + e1);                               \
     for (; c < n; ++c) {                                                                          \
         ACC xv = LOAD(x[c]);                                                                      \
         ra += xv * xv; rb += xv * q[c]; re += xv * LOAD(g[c]);                                    \
     }                                                                                             \
-    for (int l = 0; l < LANES; ++l) { ra += sa[l]; rb += sb[l]; re += se[l]; }                    \
     *a = ra; *b = rb; *e = re;                                                                    \
 }                                                                                                 \
                                                                                                   \
-/* Forward. scratch: acc [tile, d] | z, then p, [group, tile, H] | max, sum [tile, H] | row [dh] */ \
+/* Forward. scratch: acc [tile, d] (only when a token's sources come in groups) | z, then p,      \
+ * [group, tile, H] | max, sum [tile, H] */                                                       \
 static void *fwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
     const T *const *v = (const T *const *)j->v;                                                   \
@@ -234,13 +285,11 @@ static void *fwd_worker_##SUF(void *arg) {                                      
     ACC *lse = (ACC *)j->lse_out;                                                                 \
     const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
     const int64_t TT = j->tile, G = j->group;                                                     \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
-    ACC *acc = (ACC *)j->scratch, *zs = acc + TT * d, *mx = zs + G * TT * H, *sm = mx + TT * H;  \
-    T *row = (T *)(sm + TT * H);                                                                  \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
+    ACC *acc = (ACC *)j->scratch, *zs = acc + (G < N ? TT * d : 0), *mx = zs + G * TT * H, *sm = mx + TT * H; \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
         for (int64_t k = 0; k < tn * H; ++k) { mx[k] = -INFINITY; sm[k] = 0; }                    \
-        memset(acc, 0, sizeof(ACC) * (size_t)(tn * d));                                           \
         for (int64_t g0 = 0; g0 < N; g0 += G) {                                                   \
             const int64_t gn = g0 + G <= N ? G : N - g0;                                          \
             /* pass 1: logits of the group, streaming tn contiguous rows per source */            \
@@ -248,8 +297,6 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                 for (int64_t t = 0; t < tn; ++t) {                                                \
                     const T *x = v[g0 + i] + (m0 + t) * d;                                        \
                     const ACC *qt = q + (j->q_static ? 0 : (m0 + t) * d);                         \
-                    if (pf_mode == 2 && G == N && m0 + pf_tiles * TT + t < j->m1)                 \
-                        prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);             \
                     for (int64_t h = 0; h < H; ++h) {                                             \
                         ACC ss, qv;                                                               \
                         reduce2_##SUF(x + h * dh, qt + h * dh, dh, &ss, &qv);                     \
@@ -284,59 +331,60 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
-            /* pass 2: acc += sum_i p_i v_i, four sources per sweep, rows from cache */           \
+            /* pass 2: sum_i p_i v_i over the group, four vectors of channels at a time held in   \
+             * registers across all its sources (rows from cache); into acc, or, for the last group, \
+             * normalised straight into out */                                                    \
+            const int last = g0 + gn == N;                                                        \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
-                /* the same token of the next tile, all its sources: in flight while we add */    \
-                if (pf_mode == 1 && G == N && m0 + TT + t < j->m1) {                              \
-                    for (int64_t i = 0; i < N; ++i)                                               \
-                        prefetch_bytes(v[i] + (m0 + TT + t) * d, sizeof(T) * (size_t)d);          \
-                }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     ACC *restrict a = acc + t * d + h * dh;                                       \
                     const T *const *src = v + g0;                                                 \
-                    const int64_t off = (m0 + t) * d + h * dh;                                    \
-                    int64_t i = 0;                                                                \
-                    for (; i + 4 <= gn; i += 4) {                                                 \
-                        const T *restrict x0 = src[i] + off, *restrict x1 = src[i + 1] + off;     \
-                        const T *restrict x2 = src[i + 2] + off, *restrict x3 = src[i + 3] + off; \
-                        const ACC p0 = zs[(i * TT + t) * H + h], p1 = zs[((i + 1) * TT + t) * H + h]; \
-                        const ACC p2 = zs[((i + 2) * TT + t) * H + h], p3 = zs[((i + 3) * TT + t) * H + h]; \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c)                                          \
-                            a[c] += p0 * LOAD(x0[c]) + p1 * LOAD(x1[c]) + p2 * LOAD(x2[c]) + p3 * LOAD(x3[c]); \
+                    const int64_t off = (m0 + t) * d + h * dh, ps = TT * H;                       \
+                    const ACC *p = zs + t * H + h; /* p_i = p[i * ps] */                          \
+                    const ACC inv = last ? (ACC)1 / sm[t * H + h] : (ACC)1;                       \
+                    T *restrict o = out + off;                                                    \
+                    int64_t c = 0;                                                                \
+                    for (; c + 4 * VW <= dh; c += 4 * VW) {                                       \
+                        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
+                        if (g0 > 0) {                                                             \
+                            s0 = ALOAD(a + c); s1 = ALOAD(a + c + VW);                            \
+                            s2 = ALOAD(a + c + 2 * VW); s3 = ALOAD(a + c + 3 * VW);               \
+                        }                                                                         \
+                        for (int64_t i = 0; i < gn; ++i) {                                        \
+                            const T *x = src[i] + off + c;                                        \
+                            const ACC pi = p[i * ps];                                             \
+                            s0 += pi * VLOAD(x); s1 += pi * VLOAD(x + VW);                        \
+                            s2 += pi * VLOAD(x + 2 * VW); s3 += pi * VLOAD(x + 3 * VW);           \
+                        }                                                                         \
+                        if (last) {                                                               \
+                            PUT(o + c, s0 * inv, j->stream); PUT(o + c + VW, s1 * inv, j->stream); \
+                            PUT(o + c + 2 * VW, s2 * inv, j->stream); PUT(o + c + 3 * VW, s3 * inv, j->stream); \
+                        } else {                                                                  \
+                            ASTORE(a + c, s0); ASTORE(a + c + VW, s1);                            \
+                            ASTORE(a + c + 2 * VW, s2); ASTORE(a + c + 3 * VW, s3);               \
+                        }                                                                         \
                     }                                                                             \
-                    for (; i < gn; ++i) {                                                         \
-                        const T *restrict x0 = src[i] + off;                                      \
-                        const ACC p0 = zs[(i * TT + t) * H + h];                                  \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c) a[c] += p0 * LOAD(x0[c]);                \
+                    for (; c + VW <= dh; c += VW) {                                               \
+                        V s0 = {0};                                                               \
+                        if (g0 > 0) s0 = ALOAD(a + c);                                            \
+                        for (int64_t i = 0; i < gn; ++i) s0 += p[i * ps] * VLOAD(src[i] + off + c); \
+                        if (last) PUT(o + c, s0 * inv, j->stream); else ASTORE(a + c, s0);        \
+                    }                                                                             \
+                    for (; c < dh; ++c) {                                                         \
+                        ACC s0 = g0 > 0 ? a[c] : (ACC)0;                                          \
+                        for (int64_t i = 0; i < gn; ++i) s0 += p[i * ps] * LOAD(src[i][off + c]); \
+                        if (last) o[c] = STORE(s0 * inv); else a[c] = s0;                         \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t t = 0; t < tn; ++t) {                                                        \
-            for (int64_t h = 0; h < H; ++h) {                                                     \
-                const int64_t k = t * H + h;                                                      \
-                const ACC inv = (ACC)1 / sm[k];                                                   \
-                const ACC *restrict a = acc + t * d + h * dh;                                     \
-                T *restrict o = out + (m0 + t) * d + h * dh;                                      \
-                if (j->stream) {                                                                  \
-                    _Pragma("omp simd")                                                           \
-                    for (int64_t c = 0; c < dh; ++c) row[c] = STORE(a[c] * inv);                  \
-                    stream_bytes(o, row, sizeof(T) * (size_t)dh);                                 \
-                } else {                                                                          \
-                    _Pragma("omp simd")                                                           \
-                    for (int64_t c = 0; c < dh; ++c) o[c] = STORE(a[c] * inv);                    \
-                }                                                                                 \
-                lse[(m0 + t) * H + h] = mx[k] + LOG(sm[k]);                                       \
-            }                                                                                     \
-        }                                                                                         \
+        for (int64_t k = 0; k < tn * H; ++k) lse[m0 * H + k] = mx[k] + LOG(sm[k]);                \
     }                                                                                             \
     stream_fence();                                                                               \
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-/* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] | row */ \
+/* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] */      \
 static void *bwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
     const T *const *v = (const T *const *)j->v;                                                   \
@@ -346,11 +394,10 @@ static void *bwd_worker_##SUF(void *arg) {                                      
     T *const *dv = (T *const *)j->dv;                                                             \
     const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
     const int64_t TT = j->tile, S = N * TT * H;                                                   \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
     ACC *dqp = (ACC *)j->scratch;                                                                 \
-    ACC *sr = dqp + d, *sz = sr + S, *sa = sz + S, *sg = sa + S, *sd = sg + S;                   \
-    T *row = (T *)(sd + TT * H);                                                                  \
-    ACC *dq = j->dq ? (j->q_static ? dqp : (ACC *)j->dq) : NULL;                                 \
+    ACC *sr = dqp + d, *sz = sr + S, *sa = sz + S, *sg = sa + S, *sd = sg + S;                    \
+    ACC *dq = j->dq ? (j->q_static ? dqp : (ACC *)j->dq) : NULL;                                  \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
         for (int64_t k = 0; k < tn * H; ++k) sd[k] = 0;                                           \
@@ -360,10 +407,6 @@ static void *bwd_worker_##SUF(void *arg) {                                      
                 const int64_t m = m0 + t;                                                         \
                 const T *x = v[i] + m * d;                                                        \
                 const T *gt = g + m * d;                                                          \
-                if (pf_mode == 2 && m0 + pf_tiles * TT + t < j->m1) {                             \
-                    prefetch_bytes(x + pf_tiles * TT * d, sizeof(T) * (size_t)d);                 \
-                    if (i == 0) prefetch_bytes(gt + pf_tiles * TT * d, sizeof(T) * (size_t)d);    \
-                }                                                                                 \
                 const ACC *qt = q + (j->q_static ? 0 : m * d);                                    \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
                     const int64_t k = (i * TT + t) * H + h;                                       \
@@ -376,33 +419,63 @@ static void *bwd_worker_##SUF(void *arg) {                                      
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        /* pass 2: dv_i = alpha_i g + a_i q + b_i v_i and dq += a_i v_i, rows from cache */       \
+        /* the coefficients of pass 2, in place: sr <- a_i = dz_i r_i, sz <- b_i (see the top) */ \
         for (int64_t i = 0; i < N; ++i) {                                                         \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
-                const int64_t m = m0 + t;                                                         \
-                if (pf_mode == 1 && m0 + TT + t < j->m1) { /* next tile's rows, in flight */      \
-                    prefetch_bytes(v[i] + (m + TT) * d, sizeof(T) * (size_t)d);                 \
-                    if (i == 0) prefetch_bytes(g + (m + TT) * d, sizeof(T) * (size_t)d);          \
-                }                                                                                 \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
-                    const int64_t k = (i * TT + t) * H + h, o = m * d + h * dh;                   \
-                    const T *restrict x = v[i] + o;                                               \
-                    const T *restrict gh = g + o;                                                 \
-                    const ACC *restrict qh = q + (j->q_static ? h * dh : o);                      \
-                    const ACC al = sa[k], dz = al * (sg[k] - sd[t * H + h]), ca = dz * sr[k];     \
-                    const ACC cb = j->key_norm ? -dz * sz[k] * sr[k] * sr[k] * inv_dh : (ACC)0;   \
-                    if (dv) {                                                                     \
-                        T *restrict dx = j->stream ? row : dv[i] + o;                             \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c)                                          \
-                            dx[c] = STORE(al * LOAD(gh[c]) + ca * qh[c] + cb * LOAD(x[c]));       \
-                        if (j->stream) stream_bytes(dv[i] + o, row, sizeof(T) * (size_t)dh);     \
+                    const int64_t k = (i * TT + t) * H + h;                                       \
+                    const ACC dz = sa[k] * (sg[k] - sd[t * H + h]), r = sr[k];                    \
+                    sr[k] = dz * r;                                                               \
+                    sz[k] = j->key_norm ? -dz * sz[k] * r * r * inv_dh : (ACC)0;                  \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        /* pass 2: dv_i = alpha_i g + a_i q + b_i v_i and dq += a_i v_i, two vectors of channels at a \
+         * time: g, q and the dq sum stay in registers across the N sources (rows from cache) */  \
+        for (int64_t t = 0; t < tn; ++t) {                                                        \
+            const int64_t m = m0 + t;                                                             \
+            for (int64_t h = 0; h < H; ++h) {                                                     \
+                const int64_t o = m * d + h * dh, k0 = t * H + h, ks = TT * H; /* source i: k0 + i ks */ \
+                const T *restrict gh = g + o;                                                     \
+                const ACC *restrict qh = q + (j->q_static ? h * dh : o);                          \
+                ACC *restrict dqh = dq ? dq + (j->q_static ? h * dh : o) : NULL;                  \
+                int64_t c = 0;                                                                    \
+                for (; c + 2 * VW <= dh; c += 2 * VW) {                                           \
+                    const V g0 = VLOAD(gh + c), g1 = VLOAD(gh + c + VW);                          \
+                    const V q0 = ALOAD(qh + c), q1 = ALOAD(qh + c + VW);                          \
+                    V e0 = {0}, e1 = {0};                                                         \
+                    for (int64_t i = 0; i < N; ++i) {                                             \
+                        const ACC al = sa[k0 + i * ks], ca = sr[k0 + i * ks], cb = sz[k0 + i * ks]; \
+                        const V x0 = VLOAD(v[i] + o + c), x1 = VLOAD(v[i] + o + c + VW);          \
+                        if (dv) {                                                                 \
+                            PUT(dv[i] + o + c, al * g0 + ca * q0 + cb * x0, j->stream);           \
+                            PUT(dv[i] + o + c + VW, al * g1 + ca * q1 + cb * x1, j->stream);      \
+                        }                                                                         \
+                        e0 += ca * x0; e1 += ca * x1;                                             \
                     }                                                                             \
-                    if (dq) {                                                                     \
-                        ACC *restrict dqh = dq + (j->q_static ? h * dh : o);                      \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c) dqh[c] += ca * LOAD(x[c]);               \
+                    if (dqh) { ASTORE(dqh + c, ALOAD(dqh + c) + e0); ASTORE(dqh + c + VW, ALOAD(dqh + c + VW) + e1); } \
+                }                                                                                 \
+                for (; c + VW <= dh; c += VW) {                                                   \
+                    const V g0 = VLOAD(gh + c), q0 = ALOAD(qh + c);                               \
+                    V e0 = {0};                                                                   \
+                    for (int64_t i = 0; i < N; ++i) {                                             \
+                        const ACC al = sa[k0 + i * ks], ca = sr[k0 + i * ks], cb = sz[k0 + i * ks]; \
+                        const V x0 = VLOAD(v[i] + o + c);                                         \
+                        if (dv) PUT(dv[i] + o + c, al * g0 + ca * q0 + cb * x0, j->stream);       \
+                        e0 += ca * x0;                                                            \
                     }                                                                             \
+                    if (dqh) ASTORE(dqh + c, ALOAD(dqh + c) + e0);                                \
+                }                                                                                 \
+                for (; c < dh; ++c) {                                                             \
+                    const ACC gc = LOAD(gh[c]), qc = qh[c];                                       \
+                    ACC e0 = 0;                                                                   \
+                    for (int64_t i = 0; i < N; ++i) {                                             \
+                        const ACC al = sa[k0 + i * ks], ca = sr[k0 + i * ks], cb = sz[k0 + i * ks]; \
+                        const ACC xc = LOAD(v[i][o + c]);                                         \
+                        if (dv) dv[i][o + c] = STORE(al * gc + ca * qc + cb * xc);                \
+                        e0 += ca * xc;                                                            \
+                    }                                                                             \
+                    if (dqh) dqh[c] += e0;                                                        \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -419,29 +492,29 @@ int attnres_fwd_##SUF(const void *const *v, const void *q, void *out, void *lse,
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (M <= 0) return 0;                                                                         \
     tiling(N, (int64_t)sizeof(T) * d, &p.tile, &p.group);                                         \
-    size_t bytes = sizeof(ACC) * (size_t)(p.tile * d + (p.group + 2) * p.tile * H) + sizeof(T) * (size_t)(d / H) + 64; \
-    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                 \
-    p.stream = (int64_t)sizeof(T) * M * d >= stream_threshold;                                      \
+    size_t bytes = sizeof(ACC) * (size_t)((p.group < N ? p.tile * d : 0) + (p.group + 2) * p.tile * H) + 64; \
+    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                \
+    p.stream = (int64_t)sizeof(T) * M * d >= stream_threshold;                                    \
     char *scratch = launch(fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);              \
     if (!scratch) return -1;                                                                      \
     free(scratch);                                                                                \
     return 0;                                                                                     \
 }                                                                                                 \
                                                                                                   \
-/* dq (may be NULL): [d] if q_static else [M, d], accumulation type, overwritten. */             \
-int attnres_bwd_##SUF(const void *const *v, const void *q, const void *lse, const void *g,      \
+/* dq (may be NULL): [d] if q_static else [M, d], accumulation type, overwritten. */              \
+int attnres_bwd_##SUF(const void *const *v, const void *q, const void *lse, const void *g,        \
                       void *const *dv, void *dq, int64_t N, int64_t M, int64_t d, int64_t H,      \
                       int q_static, double eps, int key_norm, int nthreads) {                     \
     job_t p;                                                                                      \
     memset(&p, 0, sizeof p);                                                                      \
-    p.v = v; p.q = q; p.lse = lse; p.g = g; p.dv = (void *)dv; p.dq = dq;                                 \
+    p.v = v; p.q = q; p.lse = lse; p.g = g; p.dv = (void *)dv; p.dq = dq;                         \
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
     if (M <= 0) return 0;                                                                         \
     tiling(N + 1, (int64_t)sizeof(T) * d, &p.tile, &p.group); /* + 1: the rows of g */            \
-    size_t bytes = sizeof(ACC) * (size_t)(d + (4 * N + 1) * p.tile * H) + sizeof(T) * (size_t)(d / H) + 64; \
+    size_t bytes = sizeof(ACC) * (size_t)(d + (4 * N + 1) * p.tile * H) + 64;                     \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
-    p.stream = (int64_t)sizeof(T) * N * M * d >= stream_threshold;                      \
+    p.stream = (int64_t)sizeof(T) * N * M * d >= stream_threshold;                                \
     int nt = clamp_threads(nthreads, M);                                                          \
     char *scratch = launch(bwd_worker_##SUF, &p, nt, bytes);                                      \
     if (!scratch) return -1;                                                                      \
@@ -456,9 +529,12 @@ int attnres_bwd_##SUF(const void *const *v, const void *q, const void *lse, cons
     return 0;                                                                                     \
 }
 
-DEFINE_KERNELS(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
-DEFINE_KERNELS(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
-DEFINE_KERNELS(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
+DEFINE_KERNELS(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf,
+               vf32, VW_f32, vload_f32, put_f32, vload_f32, vstore_f32, vsum_f32)
+DEFINE_KERNELS(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt,
+               vf64, VW_f64, vload_f64, put_f64, vload_f64, vstore_f64, vsum_f64)
+DEFINE_KERNELS(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf,
+               vf32, VW_f32, vload_bf16, put_bf16, vload_f32, vstore_f32, vsum_f32)
 
 /* Two-phase inference (forward only).
  *
@@ -468,16 +544,17 @@ DEFINE_KERNELS(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
  * Phase 2, attnres_merge: the state of one query, (st_max, st_sum) [M, H] and st_out [M, d],
  * merged with R more sources v [R, M, d] by online softmax; writes the output [M, d] in v's type.
  */
-#define DEFINE_TWO_PHASE(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT)                                \
-static inline ACC dot_##SUF(const T *restrict x, const ACC *restrict q, int64_t n) {             \
-    ACC sb[LANES] = {0}, rb = 0;                                                                  \
+#define DEFINE_TWO_PHASE(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT, V, VW, VLOAD, ALOAD, VSUM)     \
+static inline ACC dot_##SUF(const T *restrict x, const ACC *restrict q, int64_t n) {              \
+    V b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};                                                     \
     int64_t c = 0;                                                                                \
-    for (; c + LANES <= n; c += LANES) {                                                          \
-        _Pragma("omp simd")                                                                       \
-        for (int l = 0; l < LANES; ++l) sb[l] += LOAD(x[c + l]) * q[c + l];                       \
+    for (; c + 4 * VW <= n; c += 4 * VW) {                                                        \
+        b0 += VLOAD(x + c) * ALOAD(q + c); b1 += VLOAD(x + c + VW) * ALOAD(q + c + VW);           \
+        b2 += VLOAD(x + c + 2 * VW) * ALOAD(q + c + 2 * VW); b3 += VLOAD(x + c + 3 * VW) * ALOAD(q + c + 3 * VW); \
     }                                                                                             \
+    for (; c + VW <= n; c += VW) b0 += VLOAD(x + c) * ALOAD(q + c);                               \
+    ACC rb = VSUM((b0 + b1) + (b2 + b3));                                                         \
     for (; c < n; ++c) rb += LOAD(x[c]) * q[c];                                                   \
-    for (int l = 0; l < LANES; ++l) rb += sb[l];                                                  \
     return rb;                                                                                    \
 }                                                                                                 \
                                                                                                   \
@@ -489,7 +566,7 @@ static void *states_worker_##SUF(void *arg) {                                   
     ACC *out = (ACC *)j->out, *lse = (ACC *)j->lse_out;                                           \
     const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H;                             \
     const int64_t TT = j->tile, Q = j->group;                                                     \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
     ACC *zs = (ACC *)j->scratch;                                                                  \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
         const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
@@ -574,7 +651,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
     const ACC *st_max = (const ACC *)j->lse, *st_sum = (const ACC *)j->g, *st_out = (const ACC *)j->dq; \
     T *out = (T *)j->out;                                                                         \
     const int64_t R = j->N, d = j->d, H = j->H, dh = d / H;                                       \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                      \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
     ACC *zs = (ACC *)j->scratch;                                                                  \
     for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
         for (int64_t h = 0; h < H; ++h) {                                                         \
@@ -615,7 +692,7 @@ static void *merge_worker_##SUF(void *arg) {                                    
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-int attnres_merge_##SUF(const void *const *v, const void *q, const void *st_max, const void *st_sum,   \
+int attnres_merge_##SUF(const void *const *v, const void *q, const void *st_max, const void *st_sum, \
                         const void *st_out, void *out, int64_t R, int64_t M, int64_t d, int64_t H, \
                         double eps, int key_norm, int nthreads) {                                 \
     job_t p;                                                                                      \
@@ -631,11 +708,11 @@ int attnres_merge_##SUF(const void *const *v, const void *q, const void *st_max,
     return 0;                                                                                     \
 }
 
-DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf)
-DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt)
-DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf)
+DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf, vf32, VW_f32, vload_f32, vload_f32, vsum_f32)
+DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt, vf64, VW_f64, vload_f64, vload_f64, vsum_f64)
+DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf, vf32, VW_f32, vload_bf16, vload_f32, vsum_f32)
 
-int attnres_abi_version(void) { return 7; }
+int attnres_abi_version(void) { return 8; }
 
 /* 1 when the workers run on OpenMP (shared with torch), 0 on POSIX threads. */
 int attnres_uses_openmp(void) {
