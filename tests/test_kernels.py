@@ -401,7 +401,8 @@ def test_registered_backends_share_one_function():
 @pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
 @pytest.mark.parametrize("heads,key_norm", [(1, True), (3, True), (1, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_phase_states_and_merge(backend, heads, key_norm, dtype):
+@pytest.mark.parametrize("d", [12, 174])  # 174: the compiled kernels' vector loops and a scalar tail
+def test_two_phase_states_and_merge(backend, heads, key_norm, dtype, d):
     """Phase 1 (Q queries over the known sources) + phase 2 (merge the rest) == one pass over all."""
     from attention_residuals.functional import depth_state, depth_state_batched, merge_states
 
@@ -409,7 +410,7 @@ def test_two_phase_states_and_merge(backend, heads, key_norm, dtype):
         _skip_unavailable(backend, dtype)
     dev = _device(backend)
     gen = torch.Generator().manual_seed(1)
-    d, known, rest = 12, 4, 2
+    known, rest = 4, 2
     sources = (torch.randn(known + rest, 3, 5, d, generator=gen) * 2).to(dtype).to(dev)
     queries = torch.randn(3, d, generator=gen).to(dev)
     kw = dict(heads=heads, key_norm=key_norm)

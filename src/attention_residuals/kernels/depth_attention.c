@@ -275,6 +275,45 @@ static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, con
     *a = ra; *b = rb; *e = re;                                                                    \
 }                                                                                                 \
                                                                                                   \
+/* The weighted sum of n sources x_i (rows at offset off), weights p[i * ps], over dh channels,   \
+ * four vectors of channels at a time held in registers across all sources, plus init (if not     \
+ * NULL), times scale: into to_out (type T, non-temporal with `stream`) or else into to_acc. */   \
+static inline void wsum_##SUF(const T *const *x, int64_t n, int64_t off, const ACC *p, int64_t ps, \
+                              int64_t dh, const ACC *init, ACC scale, ACC *to_acc, T *to_out, int stream) { \
+    int64_t c = 0;                                                                                \
+    for (; c + 4 * VW <= dh; c += 4 * VW) {                                                       \
+        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                 \
+        if (init) {                                                                               \
+            s0 = ALOAD(init + c); s1 = ALOAD(init + c + VW);                                      \
+            s2 = ALOAD(init + c + 2 * VW); s3 = ALOAD(init + c + 3 * VW);                         \
+        }                                                                                         \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            const T *xi = x[i] + off + c;                                                         \
+            const ACC pi = p[i * ps];                                                             \
+            s0 += pi * VLOAD(xi); s1 += pi * VLOAD(xi + VW);                                      \
+            s2 += pi * VLOAD(xi + 2 * VW); s3 += pi * VLOAD(xi + 3 * VW);                         \
+        }                                                                                         \
+        if (to_out) {                                                                             \
+            PUT(to_out + c, s0 * scale, stream); PUT(to_out + c + VW, s1 * scale, stream);        \
+            PUT(to_out + c + 2 * VW, s2 * scale, stream); PUT(to_out + c + 3 * VW, s3 * scale, stream); \
+        } else {                                                                                  \
+            ASTORE(to_acc + c, s0 * scale); ASTORE(to_acc + c + VW, s1 * scale);                  \
+            ASTORE(to_acc + c + 2 * VW, s2 * scale); ASTORE(to_acc + c + 3 * VW, s3 * scale);     \
+        }                                                                                         \
+    }                                                                                             \
+    for (; c + VW <= dh; c += VW) {                                                               \
+        V s0 = {0};                                                                               \
+        if (init) s0 = ALOAD(init + c);                                                           \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * VLOAD(x[i] + off + c);                  \
+        if (to_out) PUT(to_out + c, s0 * scale, stream); else ASTORE(to_acc + c, s0 * scale);     \
+    }                                                                                             \
+    for (; c < dh; ++c) {                                                                         \
+        ACC s0 = init ? init[c] : (ACC)0;                                                         \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * LOAD(x[i][off + c]);                    \
+        if (to_out) to_out[c] = STORE(s0 * scale); else to_acc[c] = s0 * scale;                   \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
 /* Forward. scratch: acc [tile, d] (only when a token's sources come in groups) | z, then p,      \
  * [group, tile, H] | max, sum [tile, H] */                                                       \
 static void *fwd_worker_##SUF(void *arg) {                                                        \
@@ -331,50 +370,16 @@ static void *fwd_worker_##SUF(void *arg) {                                      
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
-            /* pass 2: sum_i p_i v_i over the group, four vectors of channels at a time held in   \
-             * registers across all its sources (rows from cache); into acc, or, for the last group, \
-             * normalised straight into out */                                                    \
+            /* pass 2: sum_i p_i v_i over the group (rows from cache) into acc, or, for the last  \
+             * group, normalised straight into out */                                             \
             const int last = g0 + gn == N;                                                        \
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 for (int64_t h = 0; h < H; ++h) {                                                 \
-                    ACC *restrict a = acc + t * d + h * dh;                                       \
-                    const T *const *src = v + g0;                                                 \
-                    const int64_t off = (m0 + t) * d + h * dh, ps = TT * H;                       \
-                    const ACC *p = zs + t * H + h; /* p_i = p[i * ps] */                          \
+                    ACC *a = acc + t * d + h * dh;                                       \
+                    const int64_t off = (m0 + t) * d + h * dh;                                    \
                     const ACC inv = last ? (ACC)1 / sm[t * H + h] : (ACC)1;                       \
-                    T *restrict o = out + off;                                                    \
-                    int64_t c = 0;                                                                \
-                    for (; c + 4 * VW <= dh; c += 4 * VW) {                                       \
-                        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
-                        if (g0 > 0) {                                                             \
-                            s0 = ALOAD(a + c); s1 = ALOAD(a + c + VW);                            \
-                            s2 = ALOAD(a + c + 2 * VW); s3 = ALOAD(a + c + 3 * VW);               \
-                        }                                                                         \
-                        for (int64_t i = 0; i < gn; ++i) {                                        \
-                            const T *x = src[i] + off + c;                                        \
-                            const ACC pi = p[i * ps];                                             \
-                            s0 += pi * VLOAD(x); s1 += pi * VLOAD(x + VW);                        \
-                            s2 += pi * VLOAD(x + 2 * VW); s3 += pi * VLOAD(x + 3 * VW);           \
-                        }                                                                         \
-                        if (last) {                                                               \
-                            PUT(o + c, s0 * inv, j->stream); PUT(o + c + VW, s1 * inv, j->stream); \
-                            PUT(o + c + 2 * VW, s2 * inv, j->stream); PUT(o + c + 3 * VW, s3 * inv, j->stream); \
-                        } else {                                                                  \
-                            ASTORE(a + c, s0); ASTORE(a + c + VW, s1);                            \
-                            ASTORE(a + c + 2 * VW, s2); ASTORE(a + c + 3 * VW, s3);               \
-                        }                                                                         \
-                    }                                                                             \
-                    for (; c + VW <= dh; c += VW) {                                               \
-                        V s0 = {0};                                                               \
-                        if (g0 > 0) s0 = ALOAD(a + c);                                            \
-                        for (int64_t i = 0; i < gn; ++i) s0 += p[i * ps] * VLOAD(src[i] + off + c); \
-                        if (last) PUT(o + c, s0 * inv, j->stream); else ASTORE(a + c, s0);        \
-                    }                                                                             \
-                    for (; c < dh; ++c) {                                                         \
-                        ACC s0 = g0 > 0 ? a[c] : (ACC)0;                                          \
-                        for (int64_t i = 0; i < gn; ++i) s0 += p[i * ps] * LOAD(src[i][off + c]); \
-                        if (last) o[c] = STORE(s0 * inv); else a[c] = s0;                         \
-                    }                                                                             \
+                    wsum_##SUF(v + g0, gn, off, zs + t * H + h, TT * H, dh, g0 > 0 ? a : NULL, inv, \
+                               a, last ? out + off : NULL, j->stream);                            \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -598,27 +603,9 @@ static void *states_worker_##SUF(void *arg) {                                   
                     }                                                                             \
                     const ACC inv = (ACC)1 / l;                                                   \
                     lse[(k * M + m0 + t) * H + h] = mx + LOG(l);                                  \
-                    ACC *restrict a = out + (k * M + m0 + t) * d + h * dh;                        \
                     const int64_t off = (m0 + t) * d + h * dh;                                    \
-                    memset(a, 0, sizeof(ACC) * (size_t)dh);                                       \
-                    int64_t i = 0;                                                                \
-                    for (; i + 4 <= N; i += 4) {                                                  \
-                        const T *restrict x0 = v[i] + off, *restrict x1 = v[i + 1] + off;         \
-                        const T *restrict x2 = v[i + 2] + off, *restrict x3 = v[i + 3] + off;     \
-                        const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
-                        const ACC p1 = zs[((k * N + i + 1) * TT + t) * H + h] * inv;              \
-                        const ACC p2 = zs[((k * N + i + 2) * TT + t) * H + h] * inv;              \
-                        const ACC p3 = zs[((k * N + i + 3) * TT + t) * H + h] * inv;              \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c)                                          \
-                            a[c] += p0 * LOAD(x0[c]) + p1 * LOAD(x1[c]) + p2 * LOAD(x2[c]) + p3 * LOAD(x3[c]); \
-                    }                                                                             \
-                    for (; i < N; ++i) {                                                          \
-                        const T *restrict x0 = v[i] + off;                                        \
-                        const ACC p0 = zs[((k * N + i) * TT + t) * H + h] * inv;                  \
-                        _Pragma("omp simd")                                                       \
-                        for (int64_t c = 0; c < dh; ++c) a[c] += p0 * LOAD(x0[c]);                \
-                    }                                                                             \
+                    wsum_##SUF(v, N, off, zs + (k * N * TT + t) * H + h, TT * H, dh, NULL, inv,   \
+                               out + (k * M + m0 + t) * d + h * dh, NULL, 0);                     \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
