@@ -67,3 +67,30 @@ def test_io_per_layer_formulas():
     assert io["block_two_phase"]["reads"] == pytest.approx(8 / 16 + 3)
     assert io["full_two_phase"]["reads"] == pytest.approx(16 + 8 - 2)
     assert io["mhc_m4"]["total"] == 34.0
+
+
+def test_bench_report_from_quick_runs(capsys, tmp_path):
+    """`attnres bench report`: every JSON of the folder becomes a section with its tables and plots."""
+    for name in ("op", "model", "memory"):
+        assert cli.main(["bench", name, "--quick", "--no-malloc-cache", "--json", str(tmp_path / f"{name}_q.json")]) == 0
+    capsys.readouterr()
+    (tmp_path / "notes.json").write_text('{"not": "a bench"}')  # other JSON is left alone
+    assert cli.main(["bench", "report", str(tmp_path)]) == 0
+    page = (tmp_path / "README.md").read_text()
+    for stem in ("op_q", "model_q", "memory_q"):
+        assert f"## {stem}" in page
+    assert "notes" not in page
+    assert "attention_residuals[fused]" in page and "| train | block |" in page
+    assert "block_two_phase | 3.50 | 2.00 | 5.50" in page  # the report's table 1 row, typical setting
+    for png in ("op_q.png", "model_q.png"):
+        assert (tmp_path / png).stat().st_size > 0 and f"]({png})" in page
+
+
+def test_bench_report_errors(capsys, tmp_path):
+    assert cli.main(["bench", "report", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert cli.main(["bench", "report", str(tmp_path)]) == 2
+    assert "no `attnres bench" in capsys.readouterr().err
+    (tmp_path / "op.json").write_text('{"bench": "op", ')
+    assert cli.main(["bench", "report", str(tmp_path)]) == 2
+    assert "op.json: not valid JSON" in capsys.readouterr().err

@@ -262,7 +262,25 @@ def test_backward_saves_only_sources_query_and_scalars(as_list):
             depth_attention(q, sources, heads=2, backend=backend)
             extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
             assert [tuple(t.shape) for t in extra] == [(6, 2)] and extra[0].dtype == torch.float32
-            assert len(saved) == 2 + 4  # query, lse, and the four sources
+            assert len(saved) == 2 + (4 if as_list else 1)  # query, lse, the four sources (or their one tensor)
+
+
+@pytest.mark.parametrize("backend", ["fused", "compiled"])
+def test_stacked_sources_get_one_gradient_tensor(backend):
+    """A stacked [N, ...] input gets its gradient as one tensor written in place by the backend:
+    no stack of N per-source gradients (a copy of all of them) in backward."""
+    _skip_unavailable(backend)
+    q, v, g = _inputs(4, (2, 3), 8, (8,), torch.float32, "cpu")
+    got = _backend_grads(q, v, g, backend)
+    for a, b in zip(got, _reference_grads(q, v, g), strict=True):
+        _assert_close(a, b, 2e-5)
+    vg = v.clone().requires_grad_()
+    out = depth_attention(q, vg, backend=backend)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out.backward(g)
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & {"aten::stack", "aten::cat"}, ops
+    assert vg.grad.shape == v.shape
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,6 +7,7 @@ Sub-commands (the table :data:`SUBCOMMANDS`; add one by adding a line)::
     attnres bench memory   activation memory of a training step per rule; per-layer I/O (report's table 1)
     attnres bench peers    the PyPI packages' ops and steps beside ours (skipped with the reason)
     attnres bench dist     distributed figures (lives in attention_residuals.bench_dist)
+    attnres bench report   the JSONs of a folder as README.md with plots (attention_residuals.bench_report)
 
 Method: every case is warmed up, then the repeats are interleaved (one of each case per round,
 the round order rotated) and the best of the repeats is reported beside the median. The memory
@@ -53,6 +54,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "peers": ("attention_residuals.bench:bench_peers", "PyPI peers' ops and training steps beside ours"),
     "dist": ("attention_residuals.bench_dist:main", "distributed (pipeline / sharded prefill) figures"),
+    "report": ("attention_residuals.bench_report:main", "the JSONs of a folder as README.md with plots"),
 }
 
 DTYPES = {

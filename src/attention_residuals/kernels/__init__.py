@@ -202,12 +202,13 @@ def depth_attention(
             query, stack_sources(sources), eps, heads=heads, key_norm=key_norm, normalize=normalize
         )
     batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
-    vs = [s.reshape(-1, d) for s in srcs]
+    one_tensor = isinstance(sources, torch.Tensor)
+    vs = [sources.reshape(len(srcs), -1, d)] if one_tensor else [s.reshape(-1, d) for s in srcs]
     if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
         q = query.reshape(d)
     else:
         q = query.expand(*batch, d).reshape(-1, d)
-    out = _autograd.DepthAttentionFunction.apply(q, float(eps), int(heads), bool(key_norm), name, *vs)
+    out = _autograd.DepthAttentionFunction.apply(q, float(eps), int(heads), bool(key_norm), name, one_tensor, *vs)
     return out.reshape(*batch, d)
 
 

@@ -4,7 +4,8 @@ One Function serves every fused backend (``fused`` = eager torch ops, ``compiled
 ``triton`` = the GPU kernels); a backend is a pair of functions on flattened, contiguous tensors::
 
     forward(q, vs, eps, heads, key_norm) -> (out [M, d] in the sources' dtype, lse [M, H] in acc dtype)
-    backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv) -> (dq like q, [dv_i like v_i] or None)
+    backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv, one_buffer)
+        -> (dq like q, [dv_i like v_i] or None; with one_buffer, the dv_i are consecutive slices of one tensor)
 
 with ``vs`` the N sources as a list of ``[M, d]`` tensors (the C kernel reads them where they are,
 through a table of pointers: no stacked copy in forward, none saved for backward), ``q`` the query
@@ -120,7 +121,7 @@ def stacking(forward, backward):
     def fwd(q, vs, eps, heads, key_norm):
         return forward(q, stacked(vs), eps, heads, key_norm)
 
-    def bwd(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
+    def bwd(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, one_buffer=False):
         dq, dv = backward(q, stacked(vs), lse, g, eps, heads, key_norm, need_dq, need_dv)
         return dq, (list(dv.unbind(0)) if dv is not None else None)
 
@@ -135,30 +136,36 @@ def register_backend(name: str, forward, backward) -> None:
 
 
 class DepthAttentionFunction(torch.autograd.Function):
-    """``apply(query, eps, heads, key_norm, backend, *sources)``.
+    """``apply(query, eps, heads, key_norm, backend, one_tensor, *sources)``.
 
-    ``query``: ``[d]`` or ``[M, d]``; ``sources``: N tensors ``[M, d]`` -> ``[M, d]``. Validation
-    and the flattening of batch dims happen in the dispatcher.
+    ``query``: ``[d]`` or ``[M, d]``; ``sources``: N tensors ``[M, d]``, or with ``one_tensor`` a
+    single ``[N, M, d]`` tensor (a stacked input: its gradient is then written as one tensor, not N
+    that autograd would have to stack, a copy of all of them) -> ``[M, d]``. Validation and the
+    flattening of batch dims happen in the dispatcher.
     """
 
     @staticmethod
-    def forward(ctx, query, eps, heads, key_norm, backend, *sources):
+    def forward(ctx, query, eps, heads, key_norm, backend, one_tensor, *sources):
         fwd, _ = _BACKENDS[backend]
         q = query.detach().to(acc_dtype(sources[0].dtype)).contiguous()
-        vs = [v.detach().contiguous() for v in sources]
+        saved = [v.detach().contiguous() for v in sources]
+        vs = list(saved[0].unbind(0)) if one_tensor else saved
         out, lse = fwd(q, vs, eps, heads, key_norm)
-        ctx.save_for_backward(q, lse, *vs)
-        ctx.config = (eps, heads, key_norm, backend, query.dtype)
+        ctx.save_for_backward(q, lse, *saved)
+        ctx.config = (eps, heads, key_norm, backend, query.dtype, one_tensor)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, lse, *vs = ctx.saved_tensors
-        eps, heads, key_norm, backend, q_dtype = ctx.config
+        q, lse, *saved = ctx.saved_tensors
+        eps, heads, key_norm, backend, q_dtype, one_tensor = ctx.config
         _, bwd = _BACKENDS[backend]
-        need_dq, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
+        vs = list(saved[0].unbind(0)) if one_tensor else saved
+        need_dq, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
         g = grad_out.to(vs[0].dtype).contiguous()
-        dq, dvs = bwd(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v))
-        dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(vs)
-        return (dq.to(q_dtype) if need_dq else None, None, None, None, None, *dvs)
+        dq, dvs = bwd(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v), one_tensor)
+        if dvs is not None and one_tensor:
+            dvs = [stacked(dvs)]
+        dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(saved)
+        return (dq.to(q_dtype) if need_dq else None, None, None, None, None, None, *dvs)

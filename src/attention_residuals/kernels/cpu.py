@@ -247,11 +247,14 @@ def forward(q: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key
     return out, lse
 
 
-def backward(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True):
-    """Gradients ``(dq like q, accumulation dtype; [dv_i like v_i])`` given ``g = dL/dout`` [M, d]."""
+def backward(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, one_buffer=False):
+    """Gradients ``(dq like q, accumulation dtype; [dv_i like v_i])`` given ``g = dL/dout`` [M, d];
+    with ``one_buffer`` the dv_i are the slices of one ``[N, M, d]`` tensor."""
     lib, suf = _lib_for(vs[0])
     n, (m, d) = len(vs), vs[0].shape
-    dvs = [torch.empty_like(v) for v in vs] if need_dv else None
+    dvs = None
+    if need_dv:
+        dvs = list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0)) if one_buffer else [torch.empty_like(v) for v in vs]
     dq = torch.empty_like(q) if need_dq else None
     table, grads = _Table(vs), _Table(dvs)
     rc = getattr(lib, f"attnres_bwd_{suf}")(

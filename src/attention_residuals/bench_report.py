@@ -1,0 +1,214 @@
+"""``attnres bench report``: the benchmark JSONs of a folder as one markdown page with plots.
+
+Every ``*.json`` written by ``attnres bench op|model|memory|peers|dist --json`` in the folder
+(``results/bench`` by default) becomes a section of ``README.md`` beside them: its command, the
+machine and load it ran under, and its numbers as tables; the op and model ratios also as PNG bar
+charts. Nothing is measured here and nothing in the page is typed by hand, so the page can be
+regenerated after any benchmark rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "write_report"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join("—" if c is None else str(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def _f(x: float | None, digits: int = 2) -> str | None:
+    return None if x is None else f"{x:.{digits}f}"
+
+
+def _machine(m: dict) -> str:
+    load = f", load average {m['loadavg_start']} → {m.get('loadavg_end')}" if "loadavg_start" in m else ""
+    where = m.get("gpu") or f"{m.get('cpu')} × {m.get('cpu_count')} cores, {m.get('torch_threads')} threads"
+    alloc = f", allocator: {m['allocator']}" if m.get("allocator") else ""
+    return f"{where}; torch {m.get('torch')}, Python {m.get('python')}{load}{alloc}"
+
+
+def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], targets: dict[str, float],
+          xlabel: str, title: str, xmin: float = 0.0) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.4))
+    height = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        ys = [i + (k - (len(series) - 1) / 2) * height for i in range(len(labels))]
+        bars = ax.barh(ys, [(v or xmin) - xmin for v in values], height=height, left=xmin, label=name)
+        for bar, v in zip(bars, values):
+            if v is not None:
+                ax.text(xmin + bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.3f}", va="center", fontsize=7)
+    for (name, x), style in zip(targets.items(), ("--", ":")):
+        ax.axvline(x, color="grey", linestyle=style, linewidth=1, label=f"{name} {x}")
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _op_section(d: dict, stem: str, folder: Path) -> list[str]:
+    c, roof = d["config"], d["roofline"]
+    lines = [
+        f"Shape N = {c['N']}, B = {c['B']}, T = {c['T']}, d = {c['d']}, heads {c['heads']}, {c['dtype']}; best of "
+        f"{c['repeats']} interleaved repeats. Roofline: one streaming read of the sources (`sources.sum()`), "
+        f"{roof['fwd_ms']:.2f} ms ({roof['bandwidth_GBps']:.1f} GB/s); forward+backward 3× that, "
+        f"{roof['fwdbwd_ms']:.2f} ms. Ratio = roofline time / time (1.0 = at the roofline). Targets "
+        f"(issue 5): forward ≥ {d['targets']['fwd_ratio']}, forward+backward ≥ {d['targets']['fwdbwd_ratio']}.",
+        "",
+    ]
+    rows = [[r["name"], _f(r["fwd"]["best_ms"]), _f(r["fwd_ratio"], 3), _f(r["fwdbwd"]["best_ms"]),
+             _f(r["fwdbwd_ratio"], 3), f"{r['max_abs_err_vs_float64']:.1e}"] for r in d["results"]]
+    lines += _table(["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio", "max abs err vs float64"], rows)
+    if d.get("skipped"):
+        lines += ["Not run here:", ""] + [f"- {s['name']}: {s['reason']}" for s in d["skipped"]] + [""]
+    png = f"{stem}.png"
+    names = [r["name"] for r in d["results"]]
+    _bars(folder / png, names, {"forward": [r["fwd_ratio"] for r in d["results"]],
+                                "forward+backward": [r["fwdbwd_ratio"] for r in d["results"]]},
+          {"fwd target": d["targets"]["fwd_ratio"], "fwd+bwd target": d["targets"]["fwdbwd_ratio"]},
+          "roofline time / time (higher is faster)", "depth attention vs the memory roofline")
+    return lines + [f"![{stem}]({png})", ""]
+
+
+def _model_section(d: dict, stem: str, folder: Path) -> list[str]:
+    c = d["config"]
+    lines = [
+        f"Model d = {c['d_model']}, {c['sublayers']} sublayers, T = {c['T']}, B = {c['B']}, {c['n_blocks']} blocks, "
+        f"{c['dtype']}; best of {c['repeats']} interleaved repeats. Ratio = time / the PreNorm baseline's. "
+        f"Targets (issue 5, the report's overheads): training ≤ {d['targets']['train_ratio']}, "
+        f"prefill ≤ {d['targets']['prefill_ratio']}.",
+        "",
+    ]
+    rows = [[r["kind"], r["variant"], r.get("schedule") or "—", _f(r["best_ms"], 1), _f(r["ratio_vs_prenorm"], 3)]
+            for r in d["results"]]
+    lines += _table(["step", "variant", "schedule", "best ms", "ratio vs prenorm"], rows)
+    png = f"{stem}.png"
+    labels = [f"{r['kind']} {r['variant']}" + (f" ({r['schedule']})" if r.get("schedule") else "")
+              for r in d["results"]]
+    _bars(folder / png, labels, {"time / prenorm": [r["ratio_vs_prenorm"] for r in d["results"]]},
+          {"train target": d["targets"]["train_ratio"], "prefill target": d["targets"]["prefill_ratio"]},
+          "time / PreNorm (lower is faster)", "model step overhead over the PreNorm baseline", xmin=0.9)
+    return lines + [f"![{stem}]({png})", ""]
+
+
+def _memory_section(d: dict, stem: str, folder: Path) -> list[str]:
+    c = d["config"]
+    lines = [f"Model d = {c['d_model']}, {c['sublayers']} sublayers, T = {c['T']}, B = {c['B']}: bytes autograd "
+             "saves for one training step (and the CUDA peak on a GPU).", ""]
+    lines += _table(["variant", "saved for backward MiB", "ratio vs prenorm", "CUDA peak MiB"],
+                    [[r["variant"], _f(r["saved_activation_MiB"], 1), _f(r["ratio_vs_prenorm"], 3),
+                      _f(r["cuda_peak_MiB"], 1)] for r in d["activation_memory"]])
+    for key, what in (("io_this_model", "this model"), ("io_report_typical", "the report's typical setting")):
+        io = d[key]
+        lines += [f"Per-layer I/O in units of d, {what} (L = {io['L']}, N = {io['N']}, S = {io['S']}, m = {io['m']}):", ""]
+        lines += _table(["schedule", "reads", "writes", "total", "note"],
+                        [[name, _f(r["reads"]), _f(r["writes"]), _f(r["total"]), r.get("note")]
+                         for name, r in io["per_layer_d"].items()])
+    return lines
+
+
+def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
+    mc = d["model_config"]
+    lines = ["The depth-attention op as in `bench op` (the peers that import), then training steps "
+             f"(d = {mc['d_model']}, {mc['sublayers']} sublayers, T = {mc['T']}, B = {mc['B']}).", ""]
+    op = d["op"]
+    lines += _table(["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio"],
+                    [[r["name"], _f(r["fwd"]["best_ms"]), _f(r["fwd_ratio"], 3), _f(r["fwdbwd"]["best_ms"]),
+                      _f(r["fwdbwd_ratio"], 3)] for r in op["results"]])
+    rows = []
+    for s in d["steps"]:
+        if s["kind"] == "train_overhead":
+            rows.append(["training step Block / PreNorm", s["name"], _f(s["block_over_prenorm"], 3)])
+        else:
+            rows.append([s["kind"], s["name"], _f(s["best_ms"], 1) + " ms"])
+    lines += _table(["figure", "who", "value"], rows)
+    skipped = d.get("skipped", []) + op.get("skipped", [])
+    if skipped:
+        lines += ["Not run here:", ""] + [f"- {s['name']}: {s['reason']}" for s in skipped]
+    if d.get("gpu_only_peers"):
+        lines.append(f"- {d['gpu_only_peers']}")
+    return lines + [""]
+
+
+def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
+    lines = [f"torch.distributed ({d['backend']}, {d['device']}). Pipeline: bytes sent per step by each scheme, "
+             "measured on the send path, beside our derived count and the report's formula (tensors per token).", ""]
+    rows = []
+    for p in d["pipeline"]:
+        for name, s in p["schemes"].items():
+            rows.append([p["P"], p["V"], p["L"], p["S"], name, s["bytes_forward"], s["tensors_per_token_measured"],
+                         s["tensors_per_token_derived"], s["report_formula"], f"{s['max_grad_abs_diff']:.1e}"])
+    lines += _table(["P", "V", "L", "S", "scheme", "bytes fwd", "tensors/token measured", "derived", "report formula",
+                     "max grad diff vs 1 process"], rows)
+    pm = d["prefill"]["model"]
+    lines += [f"Prefill of T = {pm['seq_len']} tokens (d = {pm['d_model']}, {pm['n_blocks']} blocks): block-state "
+              "memory per rank by tensor-parallel degree, sharding and chunk size.", ""]
+    lines += _table(["ranks", "shard", "chunk", "block states MiB / rank", "formula MiB", "max logit diff"],
+                    [[r["tp"], r["shard"], r["chunk_size"], _f(r["peak_block_bytes_per_rank"] / 2**20, 2),
+                      _f(r["formula_block_bytes"] / 2**20, 2), f"{r['max_abs_logit_diff']:.1e}"]
+                     for r in d["prefill"]["runs"]])
+    return lines
+
+
+SECTIONS = {"op": _op_section, "model": _model_section, "memory": _memory_section, "peers": _peers_section,
+            "dist": _dist_section}
+
+
+def write_report(folder: str | Path = "results/bench") -> Path:
+    """Write ``<folder>/README.md`` (and its PNGs) from the benchmark JSONs in ``folder``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"folder: no such directory: {folder}")
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if isinstance(data, dict) and data.get("bench") in SECTIONS:
+            found.append((list(SECTIONS).index(data["bench"]), path, data))
+    if not found:
+        raise FileNotFoundError(f"folder: no `attnres bench ... --json` output in {folder}")
+    lines = ["# Benchmarks", "",
+             "Generated by `attnres bench report` from the JSON files beside it; nothing here is typed by hand. "
+             "Each section names the command that produced it and the machine it ran on.", ""]
+    for _, path, data in sorted(found, key=lambda f: (f[0], f[1].name)):
+        lines += [f"## {path.stem}", "", f"Command: `{data.get('command', 'attnres bench ' + data['bench'])}`"
+                  + (f" — {_machine(data['machine'])}" if "machine" in data else ""), ""]
+        lines += SECTIONS[data["bench"]](data, path.stem, folder)
+    out = folder / "README.md"
+    out.write_text("\n".join(lines).rstrip() + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attnres bench report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", default="results/bench", help="folder of the JSONs (default results/bench)")
+    args = parser.parse_args(argv)
+    try:
+        print(write_report(args.folder))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"attnres bench report: {exc}", file=sys.stderr)
+        return 2
+    return 0
