@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # that lies on this machine's disk (an unpinned torch would pull a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test demo bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,17 @@ test: venv
 
 demo: venv
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/attnres demo --out runs/demo --report report.md
+
+# The CPU benchmarks of results/bench (minutes; run on an otherwise idle machine), beside the PyPI
+# peers, then their page. `attnres bench dist` (torch.distributed figures) is run on its own.
+BENCH := $(VENV)/bin/attnres bench
+bench: venv
+	$(PY) -m pip install -q -e ".[hf,dev,peers]" "$(TORCH_PIN)"
+	$(BENCH) op --repeats 7 --json results/bench/op_cpu_float32.json > /dev/null
+	$(BENCH) model --repeats 5 --json results/bench/model_cpu.json > /dev/null
+	$(BENCH) memory --json results/bench/memory_cpu.json > /dev/null
+	$(BENCH) peers --repeats 5 --json results/bench/peers_cpu.json > /dev/null
+	$(BENCH) report results/bench
 
 lint: venv
 	$(PY) -m ruff check src tests
