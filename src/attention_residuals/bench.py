@@ -514,6 +514,21 @@ MODEL_VARIANTS = {  # label -> (residual, op backend or None for auto)
 }
 
 
+def _train_step(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor,
+                ctx: Callable = contextlib.nullcontext) -> Callable[[], None]:
+    """One AdamW training step of ``model(idx, tgt) -> (logits, loss)`` (ours and attn-res' alike)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with ctx():
+            _, loss = model(idx, tgt)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def bench_model(argv: list[str]) -> int:
     """Training step (forward, backward, AdamW) and prefill (forward, no grad) time of Block and Full
     AttnRes over the PreNorm baseline on the same model, plain and two-phase schedules."""
@@ -531,17 +546,8 @@ def bench_model(argv: list[str]) -> int:
     cases: dict[str, Callable] = {}
     for label, (residual, backend) in MODEL_VARIANTS.items():
         model = _gpt(args, residual)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ctx = (lambda b=backend: use_backend(b)) if backend else contextlib.nullcontext
-
-        def train(model=model, opt=opt, ctx=ctx):
-            with ctx():
-                _, loss = model(idx, tgt)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        cases[f"train|{label}"] = train
+        cases[f"train|{label}"] = _train_step(model, idx, tgt, ctx)
         schedules = (
             ("plain", "two_phase") if residual in ("block", "full") and backend is None else ("plain",)
         )
@@ -799,31 +805,14 @@ def bench_peers(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 256, (margs.batch, margs.seq), generator=gen).to(device)
     for label, residual in (("prenorm", "prenorm"), ("block", "block")):
-        model = _gpt(margs, residual)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def ours(model=model, opt=opt):
-            _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        cases[f"train|attention_residuals {label}"] = ours
+        cases[f"train|attention_residuals {label}"] = _train_step(_gpt(margs, residual), idx, idx)
     for label, mode in (("prenorm", "none"), ("block", "block")):
         try:
             model = _attn_res_model(margs, mode)
         except Exception as exc:
             skipped[f"attn-res {label}"] = f"{type(exc).__name__}: {exc}"
             continue
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def theirs(model=model, opt=opt):
-            _, loss = model(idx, idx)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        cases[f"train|attn-res {label}"] = theirs
+        cases[f"train|attn-res {label}"] = _train_step(model, idx, idx)
     times, failed = interleaved(cases, margs.repeats, device)
     skipped.update(failed)
     steps = []

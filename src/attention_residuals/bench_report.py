@@ -14,16 +14,10 @@ import json
 import sys
 from pathlib import Path
 
+from .report import new_figure
+
 __all__ = ["main", "write_report"]
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
@@ -45,8 +39,8 @@ def _machine(m: dict) -> str:
 
 def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], targets: dict[str, float],
           xlabel: str, title: str, xmin: float = 0.0) -> None:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.4))
+    fig = new_figure((7, 0.45 * len(labels) + 1.4))
+    ax = fig.subplots()
     height = 0.8 / len(series)
     for k, (name, values) in enumerate(series.items()):
         ys = [i + (k - (len(series) - 1) / 2) * height for i in range(len(labels))]
@@ -64,7 +58,6 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], 
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _op_section(d: dict, stem: str, folder: Path) -> list[str]:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from .report import new_figure
+
 __all__ = ["RunSpec", "BUDGETS", "specs", "run_experiment", "fit_power_law", "compute_advantage", "main"]
 
 PFLOPS_DAY = 8.64e19
@@ -249,14 +251,6 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     rows, by_variant = [], {}
@@ -269,8 +263,10 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
     cmax = max(r["compute_pfs_days"] for r in rows)
     advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    from matplotlib import ticker
+
+    fig = new_figure((6, 4.2))
+    ax = fig.subplots()
     for v, pts in by_variant.items():
         cs, ls = zip(*sorted(pts))
         line = ax.plot(cs, ls, "o", label=None)[0]
@@ -282,15 +278,14 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.set_xscale("log")
     ax.set_yscale("log")
     # a loss range of ~1.3x spans no decade: label the minor ticks with plain numbers instead
-    ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%.1f"))
-    ax.xaxis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+    ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.1f"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set_xlabel("compute C (PFLOP/s-days)")
     ax.set_ylabel("validation loss")
     ax.set_title("Scaling: loss vs compute")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(exp_dir / "scaling.png", dpi=120)
-    plt.close(fig)
     lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
               f"{r['val_loss']:.4f} |" for r in rows]
@@ -339,8 +334,8 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
 def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
     table = _seeded_table(todo, summaries)
     points = sorted((int(v.split("=")[1]), r) for v, r in table.items() if v.startswith("S="))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig = new_figure((5.5, 4))
+    ax = fig.subplots()
     ax.errorbar([s for s, _ in points], [r["mean"] for _, r in points], yerr=[r["std"] for _, r in points],
                 fmt="o-", capsize=3, label="Block AttnRes")
     base = table.get("baseline")
@@ -352,7 +347,6 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.legend()
     fig.tight_layout()
     fig.savefig(exp_dir / "blocksize.png", dpi=120)
-    plt.close(fig)
     lines = ["| S | val loss (mean ± std) |", "|---|---|"]
     lines += [f"| {s} | {r['mean']:.4f} ± {r['std']:.4f} |" for s, r in points]
     if base:
@@ -380,8 +374,8 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         if model.residual.has_depth_weights:
             entry["depth_weights"] = analysis.depth_weights(model, x)
         out[spec.name] = entry
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    fig = new_figure((14, 3.8))
+    axes = fig.subplots(1, 3)
     for name, e in out.items():
         axes[0].plot(e["magnitudes"]["input_rms"], "o-", ms=3, label=name)
         axes[1].plot(e["magnitudes"]["output_rms"], "o-", ms=3, label=name)
@@ -393,10 +387,10 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(exp_dir / "dynamics.png", dpi=120)
-    plt.close(fig)
     heat = [(n, e["depth_weights"]) for n, e in out.items() if "depth_weights" in e]
     if heat:
-        fig, axes = plt.subplots(len(heat), 2, figsize=(10, 4 * len(heat)), squeeze=False)
+        fig = new_figure((10, 4 * len(heat)))
+        axes = fig.subplots(len(heat), 2, squeeze=False)
         for row, (name, w) in zip(axes, heat):
             for ax, key in zip(row, ["pre_attn", "pre_mlp"]):
                 m = np.asarray(w[key], dtype=float)
@@ -407,7 +401,6 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
                 fig.colorbar(im, ax=ax)
         fig.tight_layout()
         fig.savefig(exp_dir / "depth_weights.png", dpi=120)
-        plt.close(fig)
     lines = ["| run | val loss | max/min RMS of h_l | max/min grad norm |", "|---|---|---|---|"]
     for name, e in out.items():
         hin, g = e["magnitudes"]["input_rms"], e["grad_norms"]
@@ -424,8 +417,8 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
         s, o = summaries[spec.name], spec.overrides
         rows.append({"shape": spec.group, "variant": spec.variant, "d_model": o["d_model"], "n_layer": o["n_layer"],
                      "d_over_L": o["d_model"] / o["n_layer"], "params": s["params"], "val_loss": _final(s)})
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig = new_figure((5.5, 4))
+    ax = fig.subplots()
     best = {}
     for v in dict.fromkeys(r["variant"] for r in rows):
         pts = sorted((r["d_over_L"], r["val_loss"]) for r in rows if r["variant"] == v)
@@ -439,7 +432,6 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.legend()
     fig.tight_layout()
     fig.savefig(exp_dir / "shape.png", dpi=120)
-    plt.close(fig)
     by = {(r["shape"], r["variant"]): r for r in rows}
     lines = ["| d_model | L_b | d_model / L_b | params | prenorm | block | Δ (block − prenorm) |", "|---|---|---|---|---|---|---|"]
     for shape in dict.fromkeys(r["shape"] for r in rows):

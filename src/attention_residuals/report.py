@@ -20,6 +20,7 @@ __all__ = [
     "format_count",
     "format_duration",
     "markdown_table",
+    "new_figure",
     "plot_loss_curves",
     "relpath",
 ]
@@ -97,6 +98,16 @@ def relpath(path: str | os.PathLike, start: str | os.PathLike) -> str:
     return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
 
 
+def new_figure(figsize: tuple[float, float], dpi: int = 120):
+    """A matplotlib ``Figure`` on the Agg canvas: no display, no pyplot global state to close."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def plot_loss_curves(
     curves: Mapping[str, Sequence[Mapping[str, Any]]],
     path: str | os.PathLike,
@@ -111,11 +122,7 @@ def plot_loss_curves(
     ``curves`` maps a label to metrics rows (``metrics.jsonl``). Two panels: the whole run, and a
     zoom on its second half where the differences between runs live. Writes a PNG; returns its path.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = new_figure((11, 4.2))
     axes = fig.subplots(1, 2)
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#7f7f7f"]
     zoom_lo, zoom_hi = math.inf, -math.inf

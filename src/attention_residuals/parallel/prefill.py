@@ -123,6 +123,34 @@ class _Sharded:
         return torch.cat(parts, dim=-1)
 
 
+class _BlockStates:
+    """One chunk's block states: ``[b_0 = embedding, b_1, ...]`` and the open partial sum, with the
+    peak bytes they hold together (what the report's prefill memory figures count)."""
+
+    def __init__(self, embedding: torch.Tensor, res: BlockAttnRes, stats: PrefillStats) -> None:
+        self.blocks, self.partial, self.res, self.stats = [embedding], None, res, stats
+        self.gates = 2 * torch.sigmoid(res.gate_logits) if res.intra_gate else None
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.blocks + ([self.partial] if self.partial is not None else [])
+
+    def add(self, layer: int, out: torch.Tensor) -> None:
+        """Add sublayer ``layer``'s output (owned by the states from now on) to the partial sum."""
+        if self.gates is not None:
+            out.mul_(self.gates[layer].to(out.dtype))
+        if self.partial is None:
+            self.partial = out
+        else:
+            self.partial.add_(out)  # in place: the block state never exists twice
+        live = self.blocks + [self.partial]
+        nbytes = sum(t.numel() * t.element_size() for t in live)
+        if nbytes > self.stats.peak_block_bytes:
+            self.stats.peak_block_bytes, self.stats.peak_block_tensors = nbytes, len(live)
+        if (layer + 1) % self.res.block_size == 0:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+
 def _check_model(model) -> BlockAttnRes:
     res = model.residual
     if not isinstance(res, BlockAttnRes):
@@ -174,43 +202,29 @@ def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = No
     stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
     n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
     stats.formula_block_bytes = block_state_bytes(n_sources, B, stats.chunk_size, d, stats.element_size, tp)
-    S, L = res.block_size, res.n_layers
-    gates = 2 * torch.sigmoid(res.gate_logits) if res.intra_gate else None
+    L = res.n_layers
     logits_out = []
     for t0 in range(0, T, chunk):
         ids = idx[:, t0 : t0 + chunk]
         tc = ids.shape[1]
         cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
-        blocks = [model.embed(ids)[..., lo:hi].clone()]  # b_0, local channels only
-        partial: torch.Tensor | None = None
+        states = _BlockStates(model.embed(ids)[..., lo:hi].clone(), res, stats)  # b_0, local channels only
         for l in range(L):
-            h = sharded.gather(sharded.attend(l, blocks + ([partial] if partial is not None else [])))
+            h = sharded.gather(sharded.attend(l, states.sources()))
             v = model.layers[l](model.norms[l](h), cos, sin, cache)
             out = v[..., lo:hi].clone()
             stats.transient_bytes = max(stats.transient_bytes, (h.numel() + v.numel() + out.numel()) * h.element_size())
             del h, v
-            if gates is not None:
-                out.mul_(gates[l].to(out.dtype))
-            if partial is None:
-                partial = out
-            else:
-                partial.add_(out)  # in place: the block state never exists twice
-                del out
-            live = blocks + [partial]
-            nbytes = sum(t.numel() * t.element_size() for t in live)
-            if nbytes > stats.peak_block_bytes:
-                stats.peak_block_bytes, stats.peak_block_tensors = nbytes, len(live)
-            if (l + 1) % S == 0:
-                blocks.append(partial)
-                partial = None
-        final = sharded.attend(L, blocks + ([partial] if partial is not None else []))
+            states.add(l, out)
+            del out
+        final = sharded.attend(L, states.sources())
         hidden = model.norm_f(sharded.gather(final))
         if last_only:
             hidden = hidden[:, -1:] if t0 + tc == T else None
         if hidden is not None:
             logits_out.append(model.lm_head(hidden))
         cache.length += tc
-        del blocks, partial
+        del states
     return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
 
 
@@ -230,8 +244,7 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
     stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
     n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
     stats.formula_block_bytes = n_sources * B * (chunk // tp) * d * stats.element_size
-    S, L = res.block_size, res.n_layers
-    gates = 2 * torch.sigmoid(res.gate_logits) if res.intra_gate else None
+    L = res.n_layers
 
     def gather_tokens(x: torch.Tensor) -> torch.Tensor:
         if group is None:
@@ -250,10 +263,9 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
             raise ValueError(f"shard='sequence': a chunk of {tc} tokens does not split over {tp} ranks")
         a, b = rank * tc // tp, (rank + 1) * tc // tp
         cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
-        blocks = [model.embed(ids[:, a:b])]
-        partial = None
+        states = _BlockStates(model.embed(ids[:, a:b]), res, stats)
         for l in range(L):
-            h = local.attend(l, blocks + ([partial] if partial is not None else []))
+            h = local.attend(l, states.sources())
             layer = model.layers[l]
             if isinstance(layer, CausalSelfAttention):  # needs every token's keys and values
                 full = gather_tokens(h)
@@ -262,28 +274,16 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
                 del full
             else:  # per token: local tokens only
                 out = layer(model.norms[l](h), cos, sin)
-            if gates is not None:
-                out.mul_(gates[l].to(out.dtype))
-            if partial is None:
-                partial = out
-            else:
-                partial.add_(out)
-                del out
-            live = blocks + [partial]
-            nbytes = sum(t.numel() * t.element_size() for t in live)
-            if nbytes > stats.peak_block_bytes:
-                stats.peak_block_bytes, stats.peak_block_tensors = nbytes, len(live)
-            if (l + 1) % S == 0:
-                blocks.append(partial)
-                partial = None
-        final = local.attend(L, blocks + ([partial] if partial is not None else []))
+            states.add(l, out)
+            del out
+        final = local.attend(L, states.sources())
         hidden = gather_tokens(model.norm_f(final))
         if last_only:
             hidden = hidden[:, -1:] if t0 + tc == T else None
         if hidden is not None:
             logits_out.append(model.lm_head(hidden))
         cache.length += tc
-        del blocks, partial
+        del states
     return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
 
 
