@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 
@@ -404,6 +405,37 @@ def test_pthreads_build_matches():
     )
     env = dict(os.environ, ATTNRES_NO_OPENMP="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set flags")
+@pytest.mark.parametrize("cflags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-avx -mno-fma"])
+def test_narrower_vector_builds_match(cflags, tmp_path):
+    """The kernels built for 32-byte vectors (AVX2) and for SSE only (no non-temporal stores), as
+    on machines without AVX-512: the same numbers as the float64 reference at vector-loop sizes."""
+    if COMPILED_REASON is not None:
+        pytest.skip(COMPILED_REASON)
+    code = (
+        "import torch; from attention_residuals.kernels import cpu, depth_attention, depth_states_batched\n"
+        "from attention_residuals.functional import depth_attention_reference as ref\n"
+        "cpu._ELEMS_PER_THREAD = 1; torch.set_num_threads(2); cpu.set_stream_threshold(0)\n"
+        "for dt, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4), (torch.bfloat16, 5e-2)):\n"
+        "    q = torch.randn(170, dtype=torch.float64).mul(0.3).requires_grad_()\n"
+        "    v = torch.randn(9, 40, 170, dtype=torch.float64).to(dt).requires_grad_()\n"
+        "    for heads in (1, 2):\n"
+        "        qq = q if dt == torch.float64 else q.float()\n"
+        "        a = torch.autograd.grad(depth_attention(qq, v, heads=heads, backend='compiled').pow(2).sum(), (q, v))\n"
+        "        b = torch.autograd.grad(ref(q, v.double(), heads=heads).pow(2).sum(), (q, v))\n"
+        "        for x, y in zip(a, b):\n"
+        "            assert (x.double() - y.double()).abs().max() <= tol * y.abs().max(), (dt, heads)\n"
+        "    with torch.no_grad():\n"
+        "        qs = q.detach()[None] if dt == torch.float64 else q.detach().float()[None]\n"
+        "        st = depth_states_batched(qs, v.detach(), backend='compiled')\n"
+        "        want = ref(q.detach(), v.detach().double())\n"
+        "        assert (st.out[0].double() - want).abs().max() <= tol * want.abs().max()\n"
+    )
+    env = dict(os.environ, ATTNRES_CFLAGS=cflags, ATTNRES_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
 
 

@@ -4,7 +4,8 @@ The C file needs no torch headers, so building it takes about a second with ``gc
 built with ``-fopenmp`` when the compiler has it: the shared object then needs ``libgomp.so.1``,
 which the loader resolves to the copy torch has already loaded, so the kernel runs on torch's own
 OpenMP workers (awake after the previous torch op) instead of fresh threads competing with them;
-otherwise (or with ``ATTNRES_NO_OPENMP=1``) it uses POSIX threads. The
+otherwise (or with ``ATTNRES_NO_OPENMP=1``) it uses POSIX threads. ``ATTNRES_CFLAGS`` adds
+compiler flags (e.g. ``-mno-avx512f`` for the 32-byte vector loops on an AVX-512 machine). The
 shared object is cached per (source, flags, compiler, CPU) under ``$ATTNRES_CACHE_DIR`` (default
 ``~/.cache/attention_residuals``, a temporary folder if that is not writable). The build happens
 lazily on first use and never raises: when no compiler is found, the build fails, or
@@ -93,7 +94,7 @@ def _compiler() -> str | None:
 
 def _compile(cc: str, out: Path, native: bool, openmp: bool) -> str | None:
     """Build the shared object at ``out``; returns an error message or None."""
-    flags = list(_BASE_FLAGS) + (["-march=native"] if native else []) + (["-fopenmp"] if openmp else [])
+    flags = list(_BASE_FLAGS) + (["-march=native"] if native else []) + (["-fopenmp"] if openmp else []) + _extra_flags()
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [cc, *flags, "-o", str(tmp), str(_SOURCE), "-lm", "-lpthread"]
     try:
@@ -105,6 +106,10 @@ def _compile(cc: str, out: Path, native: bool, openmp: bool) -> str | None:
         return f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}"
     os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
     return None
+
+
+def _extra_flags() -> list[str]:
+    return os.environ.get("ATTNRES_CFLAGS", "").split()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -150,7 +155,7 @@ def _load() -> ctypes.CDLL | None:
             key = hashlib.sha256()
             for part in (
                 _SOURCE.read_bytes(),
-                repr((_BASE_FLAGS, native, openmp, cc, _ABI_VERSION)).encode(),
+                repr((_BASE_FLAGS, _extra_flags(), native, openmp, cc, _ABI_VERSION)).encode(),
                 _cpu_id().encode(),
             ):
                 key.update(part)
