@@ -86,6 +86,37 @@ def test_zero_init_full_is_depth_mean():
         conn.write(state, l, vs[-1])
 
 
+def test_mhc_lite_matches_its_formula_per_token():
+    """mHC-lite with trained-looking (non-zero) weights against the docstring's formula, written
+    token by token with explicit permutation matrices, in float64."""
+    import itertools
+
+    m, d, L = 3, 5, 2
+    conn = make_connection("mhc", L, d, streams=m).double()
+    with torch.no_grad():
+        conn.proj.normal_(std=0.3)
+        conn.bias.normal_()
+    emb, outs = torch.randn(2, 4, d, dtype=torch.float64), [torch.randn(2, 4, d, dtype=torch.float64) for _ in range(L)]
+    state = conn.init_state(emb)
+    got = []
+    for l in range(L):
+        got.append(conn.read(state, l))
+        conn.write(state, l, outs[l])
+    got.append(conn.final(state))
+    perms = [torch.eye(m, dtype=torch.float64)[list(p)] for p in itertools.permutations(range(m))]
+    for b, t in itertools.product(range(2), range(4)):
+        H = emb[b, t].expand(m, d).clone()  # streams [m, d] of this token
+        for l in range(L):
+            flat = H.flatten()
+            coef = (flat / flat.pow(2).mean().add(1e-6).sqrt()) @ conn.proj[l].detach() + conn.bias[l].detach()
+            pre, post = torch.sigmoid(coef[:m]), 2 * torch.sigmoid(coef[m : 2 * m])
+            mix = torch.softmax(coef[2 * m :].float(), 0).double()  # the mix softmax runs in float32
+            A = sum(w * P for w, P in zip(mix, perms))
+            torch.testing.assert_close(got[l][b, t], pre @ H)
+            H = A.T @ H + post[:, None] * outs[l][b, t]
+        torch.testing.assert_close(got[L][b, t], H.mean(0))
+
+
 @pytest.mark.parametrize("residual", ["prenorm", "denseformer", "mhc"])
 def test_rules_that_start_as_prenorm(residual, idx):
     base = GPT(tiny("prenorm"))

@@ -392,7 +392,7 @@ class DenseFormerResidual(Connection):
 
 
 class MHCLiteResidual(Connection):
-    """mHC-lite: ``m`` residual streams ``H`` (``[m, *batch, d]``), per layer and token::
+    """mHC-lite: ``m`` residual streams ``H`` (``[*batch, m, d]``), per layer and token::
 
         x      = sum_k pre_k H_k                      (the layer input)
         H'_j   = sum_k A_kj H_k + post_j v            (A doubly stochastic)
@@ -401,7 +401,9 @@ class MHCLiteResidual(Connection):
     the ``m!`` permutation matrices ``P_p`` (Birkhoff: exactly doubly stochastic). All three are
     ``bias + RMSNorm(vec H) @ W`` (``W`` zero-init: static at step 0). The streams start as
     copies of the embedding and ``pre = 1/m``, ``post = 1``, so at init it is the PreNorm
-    baseline. The output is the mean of the streams.
+    baseline. The output is the mean of the streams. The streams sit token-major, so ``vec H`` is
+    a view and the mixes are batched matmuls; ``RMSNorm(vec H) @ W = r (vec H @ W)`` with the
+    per-token scalar ``r``, so the normalised copy of all streams is never built.
     """
 
     rule = "mhc"
@@ -424,29 +426,29 @@ class MHCLiteResidual(Connection):
 
     def init_state(self, embedding, schedule="plain", record=False):
         state = super().init_state(embedding, schedule, record)
-        state.streams = embedding.unsqueeze(0).expand(self.m, *embedding.shape)
+        state.streams = embedding.unsqueeze(-2).expand(*embedding.shape[:-1], self.m, embedding.shape[-1])
         return state
 
     def read(self, state, layer):
-        H = state.streams
+        H = state.streams  # [*batch, m, d]
         m = self.m
-        flat = rms_norm(H.movedim(0, -2).flatten(-2), self.eps)  # [*batch, m*d]
-        coef = flat @ self.proj[layer] + self.bias[layer]
+        flat = H.flatten(-2)  # vec H, [*batch, m*d]
+        r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + self.eps)
+        coef = (flat @ self.proj[layer]) * r + self.bias[layer]
         pre = torch.sigmoid(coef[..., :m])
         post = 2 * torch.sigmoid(coef[..., m : 2 * m])
         mix = torch.softmax(coef[..., 2 * m :].float(), -1).to(H.dtype)
-        A = torch.einsum("...p,pkj->...kj", mix, self.perms.to(H.dtype))
+        A = (mix @ self.perms.to(H.dtype).flatten(1)).unflatten(-1, (m, m))  # sum_p mix_p P_p
         state.pending = (post, A)
-        return torch.einsum("...k,k...d->...d", pre, H)
+        return (pre.unsqueeze(-2) @ H).squeeze(-2)
 
     def write(self, state, layer, output):
         post, A = state.pending
-        H = torch.einsum("...kj,k...d->j...d", A, state.streams)
-        state.streams = H + post.movedim(-1, 0).unsqueeze(-1) * output
+        state.streams = A.transpose(-1, -2) @ state.streams + post.unsqueeze(-1) * output.unsqueeze(-2)
         state.pending = None
 
     def final(self, state):
-        return state.streams.mean(0)
+        return state.streams.mean(-2)
 
 
 def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | None) -> int | None:
