@@ -418,6 +418,7 @@ def test_narrower_vector_builds_match(cflags, tmp_path):
     code = (
         "import torch; from attention_residuals.kernels import cpu, depth_attention, depth_states_batched\n"
         "from attention_residuals.functional import depth_attention_reference as ref\n"
+        "assert cpu.vector_bytes() == 32, cpu.vector_bytes()  # the narrower build is the one tested\n"
         "cpu._ELEMS_PER_THREAD = 1; torch.set_num_threads(2); cpu.set_stream_threshold(0)\n"
         "for dt, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4), (torch.bfloat16, 5e-2)):\n"
         "    q = torch.randn(170, dtype=torch.float64).mul(0.3).requires_grad_()\n"

@@ -14,16 +14,16 @@ import json
 import sys
 from pathlib import Path
 
-from .report import new_figure
+from .report import markdown_table, new_figure
 
 __all__ = ["main", "write_report"]
 
 
 
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join("—" if c is None else str(c) for c in row) + " |" for row in rows]
-    return out + [""]
+    """Rows of cells under ``header`` as markdown lines (through :func:`report.markdown_table`)."""
+    table = markdown_table([dict(zip(header, row)) for row in rows], [(h, h, None) for h in header])
+    return table.split("\n") + [""]
 
 
 def _f(x: float | None, digits: int = 2) -> str | None:

@@ -41,12 +41,13 @@ __all__ = [
     "merge",
     "library_path",
     "threading_model",
+    "vector_bytes",
 ]
 
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 
@@ -129,6 +130,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         mg.restype = i32
     lib.attnres_abi_version.restype = i32
     lib.attnres_uses_openmp.restype = i32
+    lib.attnres_vector_bytes.restype = i32
     lib.attnres_set_stream_threshold.argtypes = [i64]
     lib.attnres_set_stream_threshold.restype = i64
 
@@ -207,6 +209,12 @@ def threading_model() -> str | None:
     """``"openmp"`` (torch's pool), ``"pthreads"``, or None when the kernel is unavailable."""
     _load()
     return _state.get("threads")  # type: ignore[return-value]
+
+
+def vector_bytes() -> int | None:
+    """Bytes per vector the kernel was built for (64 with AVX-512, else 32), None when unavailable."""
+    lib = _load()
+    return None if lib is None else int(lib.attnres_vector_bytes())
 
 
 def _threads(work: int) -> int:

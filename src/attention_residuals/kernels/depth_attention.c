@@ -49,9 +49,10 @@
 #ifndef TILE_BYTES
 #define TILE_BYTES (256 * 1024)
 #endif
-/* How far ahead the reductions prefetch. Measured on the op benchmark (AMD EPYC, 2 threads):
- * forward ~8 % faster than with no software prefetch and than with whole rows of later tiles;
- * following pass-1 order across runs instead of plain addresses: another ~5 %. */
+/* How far ahead the reductions prefetch. Measured at the op benchmark's shape (AMD EPYC, 2
+ * threads, builds differing only in -D flags timed side by side against sources.sum()): forward
+ * ~8 % faster than with no software prefetch and than with whole rows of later tiles; following
+ * pass-1 order across runs instead of plain addresses: another ~5 %. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
 #endif
@@ -712,7 +713,10 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf, vf32, 
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt, vf64, VW_f64, vload_f64, vload_f64, vsum_f64)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf, vf32, VW_f32, vload_bf16, vload_f32, vsum_f32)
 
-int attnres_abi_version(void) { return 8; }
+int attnres_abi_version(void) { return 9; }
+
+/* Bytes per vector of the hot loops as built (64 with AVX-512, else 32). */
+int attnres_vector_bytes(void) { return VBYTES; }
 
 /* 1 when the workers run on OpenMP (shared with torch), 0 on POSIX threads. */
 int attnres_uses_openmp(void) {
