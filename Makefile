@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # that lies on this machine's disk (an unpinned torch would pull a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo bench gpu-wheels lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ bench: venv
 	$(BENCH) memory --json results/bench/memory_cpu.json > /dev/null
 	$(BENCH) peers --repeats 5 --json results/bench/peers_cpu.json > /dev/null
 	$(BENCH) report results/bench
+
+# The peers as wheels for the GPU machine's Python 3.12 (it reaches no index): carry `.whl` to a
+# device run of scripts/gpu_check.sh. All are pure Python.
+PEER_WHEELS := attn-res flash-attn-res fast-attnres hyper-connections torch-einops-utils liger-kernel fla-core
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(PEER_WHEELS)
 
 lint: venv
 	$(PY) -m ruff check src tests

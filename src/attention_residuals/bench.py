@@ -70,16 +70,19 @@ TARGETS = {"fwd_ratio": 0.8, "fwdbwd_ratio": 0.5, "train_overhead": 1.04, "prefi
 # timing and reporting helpers
 
 
-def _sync(device: torch.device) -> None:
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call; on CUDA between two events on the stream (the GPU's time, which a
+    host clock around a synchronize would inflate by the launch and sync latency)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
     fn()
-    _sync(device)
     return time.perf_counter() - t0
 
 
@@ -232,8 +235,9 @@ def _peer_ops(q: torch.Tensor, v: torch.Tensor, eps: float):
     try:
         from attn_res import AttnResOperator
 
-        op = AttnResOperator(v.shape[-1], eps=eps).to(v.device)
-        peers["attn-res (AttnResOperator)"] = (_module_param_op(op, "pseudo_query"), None)
+        op = AttnResOperator(v.shape[-1], eps=eps).to(device=v.device, dtype=v.dtype)
+        fwd = _module_param_op(op, "pseudo_query")
+        peers["attn-res (AttnResOperator)"] = (lambda q, v: fwd(q.to(v.dtype), v), None)
     except Exception as exc:
         peers["attn-res (AttnResOperator)"] = (None, f"does not import: {type(exc).__name__}: {exc}")
     try:
@@ -258,6 +262,23 @@ def _peer_ops(q: torch.Tensor, v: torch.Tensor, eps: float):
             None,
             f"does not import: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
         )
+    # GPU-only Triton ops (each raises on CPU tensors; the bench reports the error as the reason)
+    ones = torch.ones(v.shape[-1], device=v.device, dtype=v.dtype)  # their RMSNorm weight: the identity
+    try:
+        from fla.ops.attnres import fused_attnres
+
+        peers["flash-linear-attention (fused_attnres)"] = (
+            lambda q, v: fused_attnres(q.to(v.dtype), list(v.unbind(0)), ones, rms_eps=eps),
+            None,
+        )
+    except Exception as exc:
+        peers["flash-linear-attention (fused_attnres)"] = (None, f"does not import: {type(exc).__name__}: {exc}")
+    try:
+        from liger_kernel.transformers.functional import liger_attn_res
+
+        peers["Liger-Kernel (liger_attn_res)"] = (lambda q, v: liger_attn_res(v, q.to(v.dtype), ones, eps), None)
+    except Exception as exc:
+        peers["Liger-Kernel (liger_attn_res)"] = (None, f"does not import: {type(exc).__name__}: {exc}")
     return peers
 
 
@@ -841,9 +862,6 @@ def bench_peers(argv: list[str]) -> int:
             "B": margs.batch,
         },
         "skipped": [{"name": k, "reason": v} for k, v in skipped.items()],
-        "gpu_only_peers": "flash-linear-attention's attnres op and Liger-Kernel's liger_attn_res: GPU only, not run here"
-        if device.type != "cuda"
-        else None,
     }
     _print_table(OP_HEADER, op_rows)
     return _finish(result, args, rows, ["figure", "who", "best ms"])

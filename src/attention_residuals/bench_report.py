@@ -139,8 +139,6 @@ def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
     skipped = d.get("skipped", []) + op.get("skipped", [])
     if skipped:
         lines += ["Not run here:", ""] + [f"- {s['name']}: {s['reason']}" for s in skipped]
-    if d.get("gpu_only_peers"):
-        lines.append(f"- {d['gpu_only_peers']}")
     return lines + [""]
 
 
