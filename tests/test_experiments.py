@@ -23,6 +23,30 @@ def test_compute_advantage_matches_report():
     assert math.isclose(ex.compute_advantage((1.891, 0.057), (1.891, 0.057), 5.6), 1.0)
 
 
+def test_scaling_averages_the_seeds_of_a_point(tmp_path):
+    """PreNorm and Block get every seed of the budget, Full and mHC one; a point's loss is the mean
+    of its seeds, the fit runs on the means and the table lists each seed."""
+    budget = ex.BUDGETS["full"]
+    todo = ex.specs("scaling", budget)
+    counts = {}
+    for s in todo:
+        counts[s.group, s.variant] = counts.get((s.group, s.variant), 0) + 1
+    assert counts == {k: budget.seeds if k[1] in ex.SCALING_SEEDED else 1 for k in counts}
+    sizes = sorted({s.group for s in todo}, key=[s.group for s in todo].index)
+    summaries = {
+        s.name: {"flops_per_token": 1e6 * 10 ** sizes.index(s.group), "tokens": 1e6, "params": 1,
+                 "final_val_loss": 2.0 * 0.9 ** sizes.index(s.group) + 0.01 * s.seed, "train_s": 1.0}
+        for s in todo
+    }
+    out = ex._scaling(todo, summaries, tmp_path, budget, {})
+    first = {r["variant"]: r for r in out["rows"] if r["size"] == sizes[0]}
+    assert first["prenorm"]["seeds"] == 2 and first["prenorm"]["val_losses"] == [2.0, 2.01]
+    assert first["prenorm"]["val_loss"] == pytest.approx(2.005) and first["mhc"]["val_loss"] == 2.0
+    # every variant's means lie on one power law, shifted by 0.005 for the seeded ones
+    assert out["fits"]["mhc"]["alpha"] == pytest.approx(-math.log(0.9) / math.log(10))
+    assert "| 2 | 2.0000, 2.0100 |" in (tmp_path / "table.md").read_text()
+
+
 def test_specs_cover_the_report_tables():
     full = ex.BUDGETS["full"]
     scaling = ex.specs("scaling", full)

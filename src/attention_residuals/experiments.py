@@ -40,6 +40,8 @@ REPORT_ABLATION = {
     "swa_w8": 1.764, "input_query": 1.731, "mixing": 1.749, "sigmoid": 1.741, "multihead": 1.752,
     "full_no_keynorm": 1.743, "block_no_keynorm": 1.750,
 }
+# The two curves the report's scaling claim compares get every seed of the budget; Full and mHC one.
+SCALING_SEEDED = ("prenorm", "block")
 REPORT_SCALING = {"prenorm": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
 
 
@@ -126,8 +128,11 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
                 "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
                 "mhc": {"residual": "mhc"},
             }
-            for v, o in variants.items():
-                out.append(RunSpec(f"{size}_{v}", v, {**_model(d, n_layer, n_head), "steps": steps, **o}, 0, size))
+            for seed in range(budget.seeds):
+                for v, o in variants.items():
+                    if seed == 0 or v in SCALING_SEEDED:
+                        o = {**_model(d, n_layer, n_head), "steps": steps, **o}
+                        out.append(RunSpec(f"{size}_{v}_s{seed}", v, o, seed, size))
     elif experiment == "ablation":
         d, n_layer, n_head = budget.mid
         for seed in range(budget.seeds):
@@ -253,13 +258,19 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
-    rows, by_variant = [], {}
+    points: dict[tuple[str, str], list[dict]] = {}  # (size, variant) -> the summaries of its seeds
     for spec in todo:
-        s = summaries[spec.name]
+        points.setdefault((spec.group, spec.variant), []).append(summaries[spec.name])
+    rows, by_variant = [], {}
+    for (size, variant), runs in points.items():
+        s = runs[0]
         c = s["flops_per_token"] * s["tokens"] / PFLOPS_DAY
-        rows.append({"size": spec.group, "variant": spec.variant, "params": s["params"], "tokens": s["tokens"],
-                     "compute_pfs_days": c, "val_loss": _final(s), "train_s": s["train_s"]})
-        by_variant.setdefault(spec.variant, []).append((c, _final(s)))
+        losses = [_final(r) for r in runs]
+        mean, std = _mean_std(losses)
+        rows.append({"size": size, "variant": variant, "params": s["params"], "tokens": s["tokens"],
+                     "compute_pfs_days": c, "val_loss": mean, "val_loss_std": std, "val_losses": losses,
+                     "seeds": len(runs), "train_s": sum(r["train_s"] for r in runs)})
+        by_variant.setdefault(variant, []).append((c, mean))
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
     cmax = max(r["compute_pfs_days"] for r in rows)
     advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
@@ -270,6 +281,9 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     for v, pts in by_variant.items():
         cs, ls = zip(*sorted(pts))
         line = ax.plot(cs, ls, "o", label=None)[0]
+        for r in rows:  # the seeds behind a mean, as small dots
+            if r["variant"] == v and r["seeds"] > 1:
+                ax.plot([r["compute_pfs_days"]] * r["seeds"], r["val_losses"], ".", color=line.get_color(), alpha=0.4)
         if v in fits:
             a, alpha = fits[v]
             grid = np.geomspace(min(cs), max(cs), 50)
@@ -286,11 +300,13 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(exp_dir / "scaling.png", dpi=120)
-    lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss |", "|---|---|---|---|---|---|"]
+    lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
-              f"{r['val_loss']:.4f} |" for r in rows]
+              f"{r['val_loss']:.4f} | {r['seeds']} | {', '.join(f'{x:.4f}' for x in r['val_losses'])} |" for r in rows]
     lines += ["", "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
-              "T = context; one seed per point; fit: least squares of log loss on log C.", "",
+              f"T = context; val loss: the mean over the point's seeds ({', '.join(SCALING_SEEDED)}: "
+              f"{budget.seeds}, the others 1); fit: least squares of log mean loss on log C.", "",
               "| variant | A | α | compute advantage over baseline at largest C | report A, α |", "|---|---|---|---|---|"]
     for v, (a, alpha) in fits.items():
         rep = REPORT_SCALING.get(v)
