@@ -6,7 +6,8 @@
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
-# Everything lands in $OUT (one log plus one JSON per benchmark, 7 files: under the tool's 8); copy
+# Everything lands in $OUT (one log plus one JSON per benchmark, 7 files: under the tool's 8; a
+# bench's stdout, its JSON again, is dropped, its table on stderr stays in the log); copy
 # the JSONs into results/bench/ and run `attnres bench report`. Each step has its own time limit
 # and a failing step does not stop the next (the limits add up to 495 s; the op bfloat16 step
 # includes torch.compile). DEVICE=cpu QUICK=1 rehearses the script on a CPU.
@@ -25,29 +26,28 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 q=${QUICK:+--quick}
 
-step() {  # step SECONDS NAME CMD...: run with a limit, report the status, go on. A bench's stdout
-  # (its JSON, also in --json) is dropped; its table (stderr) stays in the log.
+step() {  # step SECONDS NAME CMD...: run with a limit, report the status (on stderr), go on
   local limit=$1 name=$2
   shift 2
   local t0=$SECONDS
-  echo "=== $name (limit ${limit}s)"
-  if [ "$name" = "kernel tests" ]; then timeout "$limit" "$@"; else timeout "$limit" "$@" > /dev/null; fi
-  echo "=== $name: exit $? after $((SECONDS - t0))s"
+  echo "=== $name (limit ${limit}s)" >&2
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - t0))s" >&2
 }
 BENCH=("$PY" -m attention_residuals.cli bench)
 
 command -v nvidia-smi > /dev/null && nvidia-smi -L
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
 step 120 "kernel tests" "$PY" -m pytest -p no:cacheprovider -rfEs tests/test_kernels.py
-step 120 "op bfloat16" "${BENCH[@]}" op --device "$DEVICE" --dtype bfloat16 --repeats 20 $q --json "$OUT/op_${DEVICE}_bfloat16.json"
-step 45 "op float32" "${BENCH[@]}" op --device "$DEVICE" --dtype float32 --repeats 20 --no-compile $q --json "$OUT/op_${DEVICE}_float32.json"
+step 120 "op bfloat16" "${BENCH[@]}" op --device "$DEVICE" --dtype bfloat16 --repeats 20 $q --json "$OUT/op_${DEVICE}_bfloat16.json" > /dev/null
+step 45 "op float32" "${BENCH[@]}" op --device "$DEVICE" --dtype float32 --repeats 20 --no-compile $q --json "$OUT/op_${DEVICE}_float32.json" > /dev/null
 # N = 9 sources of 8 x 4096 tokens x 4096 channels (2.4 GB in bfloat16): long enough to time the memory
 # stream (--quick, the rehearsal, overrides the shape)
 step 60 "op bfloat16 large" "${BENCH[@]}" op --device "$DEVICE" --dtype bfloat16 --repeats 20 --no-compile $q \
-  --batch 8 --seq 4096 --dim 4096 --json "$OUT/op_${DEVICE}_bfloat16_large.json"
-step 60 "model" "${BENCH[@]}" model --device "$DEVICE" --dtype bfloat16 --repeats 10 $q --json "$OUT/model_${DEVICE}.json"
-step 60 "peers" "${BENCH[@]}" peers --device "$DEVICE" --dtype bfloat16 --repeats 10 $q --json "$OUT/peers_${DEVICE}.json"
-step 30 "memory" "${BENCH[@]}" memory --device "$DEVICE" --dtype bfloat16 $q --json "$OUT/memory_${DEVICE}.json"
+  --batch 8 --seq 4096 --dim 4096 --json "$OUT/op_${DEVICE}_bfloat16_large.json" > /dev/null
+step 60 "model" "${BENCH[@]}" model --device "$DEVICE" --dtype bfloat16 --repeats 10 $q --json "$OUT/model_${DEVICE}.json" > /dev/null
+step 60 "peers" "${BENCH[@]}" peers --device "$DEVICE" --dtype bfloat16 --repeats 10 $q --json "$OUT/peers_${DEVICE}.json" > /dev/null
+step 30 "memory" "${BENCH[@]}" memory --device "$DEVICE" --dtype bfloat16 $q --json "$OUT/memory_${DEVICE}.json" > /dev/null
 # the page `attnres bench report` makes of these JSONs, last, so the call's output tail shows it
 rm -rf /tmp/gpu_check_report && mkdir -p /tmp/gpu_check_report && cp "$OUT"/*.json /tmp/gpu_check_report/ \
   && "${BENCH[@]}" report /tmp/gpu_check_report > /dev/null && cat /tmp/gpu_check_report/README.md

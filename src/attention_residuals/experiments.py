@@ -253,7 +253,6 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-
 def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     points: dict[tuple[str, str], list[dict]] = {}  # (size, variant) -> the summaries of its seeds
     for spec in todo:
