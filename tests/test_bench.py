@@ -59,7 +59,7 @@ def test_bench_usage_and_unknown(capsys):
     for name in bench.SUBCOMMANDS:
         assert name in out
     assert bench.main(["nope"]) == 2
-    assert "unknown subcommand" in capsys.readouterr().err
+    assert "unknown command" in capsys.readouterr().err
 
 
 def test_io_per_layer_formulas():

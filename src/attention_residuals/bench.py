@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import dispatch
 from .functional import depth_attention_reference
 from .kernels import backend_status, depth_attention, use_backend
 
@@ -871,33 +871,11 @@ def bench_peers(argv: list[str]) -> int:
 # entry point
 
 
-def _usage() -> str:
-    lines = ["usage: attnres bench <subcommand> [options]", "", "subcommands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += [
-        "",
-        "Run `attnres bench <subcommand> --help` for its options. JSON goes to stdout, the table to stderr.",
-    ]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"attnres bench: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    target = SUBCOMMANDS[name][0]
-    module_name, func_name = target.split(":")
-    try:
-        func = getattr(importlib.import_module(module_name), func_name)
-    except (ImportError, AttributeError) as exc:
-        print(f"attnres bench {name}: not available ({target}: {exc})", file=sys.stderr)
-        return 2
-    return int(func(rest) or 0)
+    return dispatch(
+        "attnres bench", SUBCOMMANDS, list(sys.argv[1:] if argv is None else argv),
+        "JSON goes to stdout, the table to stderr.",
+    )
 
 
 if __name__ == "__main__":

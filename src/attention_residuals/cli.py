@@ -22,24 +22,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: attnres <command> [options]", "", "commands:"]
-    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `attnres <command> --help` for the options of one command."]
-    return "\n".join(lines)
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], epilog: str = "") -> int:
+    """Run ``prog <name> [options]``: ``commands`` maps name -> (target, one-line help), the target
+    ``"module"`` (its ``main``) or ``"module:function"``, imported only when chosen; the function
+    takes the remaining argv and returns an exit code."""
+    width = max(map(len, commands)) + 2
+    usage = "\n".join(
+        [f"usage: {prog} <command> [options]", "", "commands:"]
+        + [f"  {name:<{width}}{help_}" for name, (_, help_) in commands.items()]
+        + ["", f"Run `{prog} <command> --help` for the options of one command.{' ' + epilog if epilog else ''}"]
+    )
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in commands:
+        print(f"{prog}: unknown command {name!r}\n\n{usage}", file=sys.stderr)
+        return 2
+    module_name, _, func_name = commands[name][0].partition(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name or "main")
+    except (ImportError, AttributeError) as exc:
+        print(f"{prog} {name}: not available ({commands[name][0]}: {exc})", file=sys.stderr)
+        return 2
+    return int(func(rest) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"attnres: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return dispatch("attnres", COMMANDS, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
