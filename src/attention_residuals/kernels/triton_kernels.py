@@ -28,6 +28,13 @@ __all__ = ["forward", "backward", "states", "merge"]
 
 _MAX_BLOCK_D = 4096  # lanes per program for one head's channels; above, chunked kernels
 _TILE_ELEMS = 4096  # BLOCK_M * BLOCK_D
+# Warps per program: 8 spreads a 4096-element tile over 256 threads (16 elements per thread and
+# tensor), as the common heuristic for fused row kernels has it (8 warps from 2048 elements, in
+# Unsloth's and Liger-Kernel's launch settings). Compiled for sm_90 by scripts/triton_aot.py
+# (no GPU needed): with 4 warps most backward variants took 150-255 registers per thread and 5 of the
+# 93 binaries spilled to the stack (up to 104 bytes: float32 backward at dh = 192); with 8, at most
+# 169 registers and no spills. Not yet timed on a GPU: scripts/gpu_check.sh times 4 against 8.
+_NUM_WARPS = 8
 
 
 @triton.jit
@@ -344,6 +351,7 @@ def _launch_forward(q, v, out, lse, eps, heads, key_norm, nq, q_stride, block_d)
             KEY_NORM=key_norm,
             BLOCK_M=bm,
             BLOCK_D=bd,
+            num_warps=_NUM_WARPS,
         )
     else:
         z = torch.empty((nq, n, m, heads), dtype=torch.float32, device=v.device)
@@ -364,6 +372,7 @@ def _launch_forward(q, v, out, lse, eps, heads, key_norm, nq, q_stride, block_d)
             KEY_NORM=key_norm,
             BLOCK_M=bm,
             BLOCK_D=bd,
+            num_warps=_NUM_WARPS,
         )
 
 
@@ -407,6 +416,7 @@ def merge(q, v, st_max, st_sum, st_out, eps, heads, key_norm, *, block_d: int | 
         KEY_NORM=key_norm,
         BLOCK_M=bm,
         BLOCK_D=bd,
+        num_warps=_NUM_WARPS,
     )
     return out
 
@@ -447,6 +457,7 @@ def backward(q, v, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, *, 
             NEED_DQ=need_dq,
             BLOCK_M=bm,
             BLOCK_D=bd,
+            num_warps=_NUM_WARPS,
         )
     dq = None
     if need_dq:
