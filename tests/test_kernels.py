@@ -173,14 +173,16 @@ def test_unbatched_and_empty_batch(backend):
     assert dv.shape == v.shape and torch.equal(dq, torch.zeros_like(dq))
 
 
-def test_compiled_grouped_online_softmax_and_threads(monkeypatch):
-    """Rows too large for one tile: sources merged group by group (online softmax), several threads."""
+def test_compiled_online_softmax_across_tiles_and_threads(monkeypatch):
+    """The one-pass forward's accumulators rescaled when the max moves, over several token tiles
+    per thread (float64 rows of 32 KiB: 16 tokens a tile) on two threads; the two-pass backward
+    with one token per tile (9 + 1 rows exceed its 256 KiB tile)."""
     _skip_unavailable("compiled", torch.float64)
     monkeypatch.setattr(cpu, "_ELEMS_PER_THREAD", 1)  # force the multi-threaded split on tiny work
     torch.set_num_threads(2)
-    d = 4096  # 9 float64 rows of 32 KiB exceed the 256 KiB tile: groups of 8 then 1
-    q, v, g = _inputs(9, (3,), d, (d,), torch.float64, "cpu", scale=0.5)
-    # make the max move between groups: the last source is the most aligned with the query
+    d, m = 4096, 60
+    q, v, g = _inputs(9, (m,), d, (d,), torch.float64, "cpu", scale=0.5)
+    # make the max move late: the last source is the most aligned with the query
     v[-1] = q * 40
     for heads in (1, 2):
         got = _backend_grads(q, v, g, "compiled", heads=heads)
@@ -189,10 +191,27 @@ def test_compiled_grouped_online_softmax_and_threads(monkeypatch):
         _assert_close(got[2], want[2], 1e-10)
         # The last source takes all the weight, so dq = sum_i dz_i r_i v_i cancels to 0 in the
         # reference; allow float64 rounding of its terms, |g . v_i| r_i |v_i| ~ 6e3 here.
-        rows = v.view(9, 3, heads, d // heads)
+        rows = v.view(9, m, heads, d // heads)
         r = (rows.pow(2).mean(-1) + 1e-6).rsqrt()
-        terms = (g.view(3, heads, -1) * rows).sum(-1).abs() * r * rows.abs().amax(-1)
+        terms = (g.view(m, heads, -1) * rows).sum(-1).abs() * r * rows.abs().amax(-1)
         torch.testing.assert_close(got[1], want[1], atol=1e-12 * terms.max().item(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_nan_stays_in_its_token(dtype):
+    """A NaN in one token's source makes that token's output NaN and no other: accumulators reused
+    from token to token and tile to tile are overwritten, never scaled by 0 (0 * NaN = NaN)."""
+    _skip_unavailable("compiled", dtype)
+    d, m = 4096, 100  # several tiles per thread
+    q, v, _ = _inputs(3, (m,), d, (d,), dtype, "cpu", scale=0.5)
+    v = v.detach().clone()
+    v[0, 7, 5] = float("nan")
+    with torch.no_grad():
+        got = depth_attention(q.detach(), v, backend="compiled")
+        want = depth_attention_reference(q.detach().double(), v.double())
+    bad = torch.isnan(got).any(-1)
+    assert bad.tolist() == [t == 7 for t in range(m)]
+    _assert_close(got[~bad], want[~bad], 2e-4 if dtype == torch.float32 else 1e-10)  # d = 4096 in float32
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 1e-2)])

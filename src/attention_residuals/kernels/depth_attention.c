@@ -19,12 +19,15 @@
  * Everything is accumulated in float32 (float64 for float64 sources); nothing is subtracted in
  * bfloat16.
  *
- * Memory schedule. Each thread walks its tokens in tiles of T tokens. A source's rows for a tile
- * are contiguous, so the first pass over a tile (the reductions) streams T rows per source -- long
- * runs the hardware prefetcher follows -- and leaves the tile in cache for the second pass (the
- * weighted sum, or the gradients). T is chosen so that all N sources of a tile fit TILE_BYTES; when
- * even one token's sources do not, the sources are taken in groups that fit, merged by online
- * softmax (running max and normaliser per token, the accumulator rescaled when the max grows).
+ * Memory schedule. Each thread walks its tokens in tiles. The forward makes one pass: inside a
+ * tile it reads each source's rows in token order -- one long contiguous run per source, which the
+ * memory system streams best -- and merges every row into its token's accumulator by online
+ * softmax (running max and normaliser, the accumulator rescaled when the max grows), reducing the
+ * next row while the previous one, still in L1, is added in; the accumulators of a tile fit
+ * FWD_ACC_BYTES. The backward and the phase-1 states make two passes over a tile of T tokens: the
+ * first (the reductions) streams T rows per source and leaves the tile in cache for the second
+ * (the gradients, or the weighted sums); T is chosen so that all N sources of a tile fit
+ * TILE_BYTES.
  * While a row is reduced, the bytes PREFETCH_BYTES further on in the same source are prefetched,
  * so the memory stream keeps going during the arithmetic; outputs of at least the stream
  * threshold (8 MiB: the output of the forward, the sources' gradient) are written with
@@ -55,6 +58,15 @@
  * more than the prefetches it aimed better); 4-12 KiB measured alike. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 8192
+#endif
+/* The forward's accumulators per tile: 128 tokens of d = 1024 in float32, within a 1 MiB L2.
+ * Measured at the op benchmark's shape (AMD EPYC, 2 threads, builds timed side by side against
+ * sources.sum(), paired medians of 80-100 interleaved repeats): the one-pass schedule ran 0.97-1.20x
+ * as fast as the two-pass one it replaced (256 KiB tiles: 7-row runs per source, which read the
+ * sources at only 0.83-0.85 of sources.sum() even with the weighted sum left out), faster in 8 of
+ * 9 runs; 384-768 KiB measured alike, 2 MiB slower. */
+#ifndef FWD_ACC_BYTES
+#define FWD_ACC_BYTES (512 * 1024)
 #endif
 #ifndef MAX_TILE
 #define MAX_TILE 32
@@ -167,7 +179,7 @@ int64_t attnres_set_stream_threshold(int64_t bytes) {
 typedef struct {
     const void *v, *q, *g, *lse;
     void *out, *lse_out, *dv, *dq;
-    int64_t N, M, d, H, m0, m1, tile, group;
+    int64_t N, M, d, H, m0, m1, tile, nq; /* nq: the queries of the phase-1 states */
     int q_static, key_norm, stream;
     double eps;
     void *scratch; /* per thread, see the workers */
@@ -181,18 +193,12 @@ static int clamp_threads(int nthreads, int64_t M) {
     return nthreads;
 }
 
-/* Tokens per tile and sources per group for rows of `row_bytes` bytes. */
-static void tiling(int64_t N, int64_t row_bytes, int64_t *tile, int64_t *group) {
+/* Tokens per tile of the two-pass workers, for N rows of `row_bytes` bytes per token: as many as
+ * fit TILE_BYTES, at least 1, at most MAX_TILE. */
+static int64_t tiling(int64_t N, int64_t row_bytes) {
     int64_t per_token = N * row_bytes;
     int64_t t = per_token > 0 ? TILE_BYTES / per_token : MAX_TILE;
-    if (t >= 1) {
-        *tile = t > MAX_TILE ? MAX_TILE : t;
-        *group = N;
-    } else {
-        int64_t gsz = TILE_BYTES / (row_bytes > 0 ? row_bytes : 1);
-        *tile = 1;
-        *group = gsz < 1 ? 1 : (gsz > N ? N : gsz);
-    }
+    return t < 1 ? 1 : (t > MAX_TILE ? MAX_TILE : t);
 }
 
 /* Run `work` on nt contiguous token ranges; thread 0 is the caller. Returns the scratch block
@@ -280,120 +286,122 @@ static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, con
     *a = ra; *b = rb; *e = re;                                                                    \
 }                                                                                                 \
                                                                                                   \
-/* The weighted sum of n sources x_i (rows at offset off), weights p[i * ps], over dh channels,   \
- * four vectors of channels at a time held in registers across all sources, plus init (if not     \
- * NULL), times scale: into to_out (type T, non-temporal with `stream`) or else into to_acc. */   \
+/* The weighted sum of n sources x_i (rows at offset off), weights p[i * ps], over dh channels,    \
+ * four vectors of channels at a time held in registers across all sources, times scale, into out  \
+ * (accumulation type: the phase-1 states). */                                                     \
 static inline void wsum_##SUF(const T *const *x, int64_t n, int64_t off, const ACC *p, int64_t ps, \
-                              int64_t dh, const ACC *init, ACC scale, ACC *to_acc, T *to_out, int stream) { \
-    int64_t c = 0;                                                                                \
-    for (; c + 4 * VW <= dh; c += 4 * VW) {                                                       \
-        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                 \
-        if (init) {                                                                               \
-            s0 = ALOAD(init + c); s1 = ALOAD(init + c + VW);                                      \
-            s2 = ALOAD(init + c + 2 * VW); s3 = ALOAD(init + c + 3 * VW);                         \
-        }                                                                                         \
-        for (int64_t i = 0; i < n; ++i) {                                                         \
-            const T *xi = x[i] + off + c;                                                         \
-            const ACC pi = p[i * ps];                                                             \
-            s0 += pi * VLOAD(xi); s1 += pi * VLOAD(xi + VW);                                      \
-            s2 += pi * VLOAD(xi + 2 * VW); s3 += pi * VLOAD(xi + 3 * VW);                         \
-        }                                                                                         \
-        if (to_out) {                                                                             \
-            PUT(to_out + c, s0 * scale, stream); PUT(to_out + c + VW, s1 * scale, stream);        \
-            PUT(to_out + c + 2 * VW, s2 * scale, stream); PUT(to_out + c + 3 * VW, s3 * scale, stream); \
-        } else {                                                                                  \
-            ASTORE(to_acc + c, s0 * scale); ASTORE(to_acc + c + VW, s1 * scale);                  \
-            ASTORE(to_acc + c + 2 * VW, s2 * scale); ASTORE(to_acc + c + 3 * VW, s3 * scale);     \
-        }                                                                                         \
-    }                                                                                             \
-    for (; c + VW <= dh; c += VW) {                                                               \
-        V s0 = {0};                                                                               \
-        if (init) s0 = ALOAD(init + c);                                                           \
-        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * VLOAD(x[i] + off + c);                  \
-        if (to_out) PUT(to_out + c, s0 * scale, stream); else ASTORE(to_acc + c, s0 * scale);     \
-    }                                                                                             \
-    for (; c < dh; ++c) {                                                                         \
-        ACC s0 = init ? init[c] : (ACC)0;                                                         \
-        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * LOAD(x[i][off + c]);                    \
-        if (to_out) to_out[c] = STORE(s0 * scale); else to_acc[c] = s0 * scale;                   \
-    }                                                                                             \
-}                                                                                                 \
-                                                                                                  \
-/* Forward. scratch: acc [tile, d] (only when a token's sources come in groups) | z, then p,      \
- * [group, tile, H] | max, sum [tile, H] */                                                       \
-static void *fwd_worker_##SUF(void *arg) {                                                        \
-    job_t *j = (job_t *)arg;                                                                      \
-    const T *const *v = (const T *const *)j->v;                                                   \
-    const ACC *q = (const ACC *)j->q;                                                             \
-    T *out = (T *)j->out;                                                                         \
-    ACC *lse = (ACC *)j->lse_out;                                                                 \
-    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
-    const int64_t TT = j->tile, G = j->group;                                                     \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
-    ACC *acc = (ACC *)j->scratch, *zs = acc + (G < N ? TT * d : 0), *mx = zs + G * TT * H, *sm = mx + TT * H; \
-    for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
-        const int64_t tn = m0 + TT <= j->m1 ? TT : j->m1 - m0;                                    \
-        for (int64_t k = 0; k < tn * H; ++k) { mx[k] = -INFINITY; sm[k] = 0; }                    \
-        for (int64_t g0 = 0; g0 < N; g0 += G) {                                                   \
-            const int64_t gn = g0 + G <= N ? G : N - g0;                                          \
-            /* pass 1: logits of the group, streaming tn contiguous rows per source */            \
-            for (int64_t i = 0; i < gn; ++i) {                                                    \
-                for (int64_t t = 0; t < tn; ++t) {                                                \
-                    const T *x = v[g0 + i] + (m0 + t) * d;                                        \
-                    const ACC *qt = q + (j->q_static ? 0 : (m0 + t) * d);                         \
-                    for (int64_t h = 0; h < H; ++h) {                                             \
-                        ACC ss, qv;                                                               \
-                        reduce2_##SUF(x + h * dh, qt + h * dh, dh, (const char *)(x + h * dh) + PREFETCH_BYTES, &ss, &qv); \
-                        ACC r = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;          \
-                        zs[(i * TT + t) * H + h] = qv * r;                                        \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-            /* online softmax update: new max, rescale, weights p_i = exp(z_i - max) */           \
-            for (int64_t t = 0; t < tn; ++t) {                                                    \
-                for (int64_t h = 0; h < H; ++h) {                                                 \
-                    const int64_t k = t * H + h;                                                  \
-                    ACC gmax = -INFINITY;                                                         \
-                    for (int64_t i = 0; i < gn; ++i) {                                            \
-                        ACC z = zs[(i * TT + t) * H + h];                                         \
-                        gmax = z > gmax ? z : gmax;                                               \
-                    }                                                                             \
-                    if (gmax > mx[k]) {                                                           \
-                        if (g0 > 0) {                                                             \
-                            ACC sc = EXP(mx[k] - gmax);                                           \
-                            ACC *a = acc + t * d + h * dh;                                        \
-                            sm[k] *= sc;                                                          \
-                            _Pragma("omp simd")                                                   \
-                            for (int64_t c = 0; c < dh; ++c) a[c] *= sc;                          \
-                        }                                                                         \
-                        mx[k] = gmax;                                                             \
-                    }                                                                             \
-                    for (int64_t i = 0; i < gn; ++i) {                                            \
-                        ACC *z = &zs[(i * TT + t) * H + h];                                       \
-                        *z = EXP(*z - mx[k]);                                                     \
-                        sm[k] += *z;                                                              \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-            /* pass 2: sum_i p_i v_i over the group (rows from cache) into acc, or, for the last  \
-             * group, normalised straight into out */                                             \
-            const int last = g0 + gn == N;                                                        \
-            for (int64_t t = 0; t < tn; ++t) {                                                    \
-                for (int64_t h = 0; h < H; ++h) {                                                 \
-                    ACC *a = acc + t * d + h * dh;                                                \
-                    const int64_t off = (m0 + t) * d + h * dh;                                    \
-                    const ACC inv = last ? (ACC)1 / sm[t * H + h] : (ACC)1;                       \
-                    wsum_##SUF(v + g0, gn, off, zs + t * H + h, TT * H, dh, g0 > 0 ? a : NULL, inv, \
-                               a, last ? out + off : NULL, j->stream);                            \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (int64_t k = 0; k < tn * H; ++k) lse[m0 * H + k] = mx[k] + LOG(sm[k]);                \
-    }                                                                                             \
-    stream_fence();                                                                               \
-    return NULL;                                                                                  \
-}                                                                                                 \
-                                                                                                  \
+                              int64_t dh, ACC scale, ACC *out) {                                   \
+    int64_t c = 0;                                                                                 \
+    for (; c + 4 * VW <= dh; c += 4 * VW) {                                                        \
+        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                  \
+        for (int64_t i = 0; i < n; ++i) {                                                          \
+            const T *xi = x[i] + off + c;                                                          \
+            const ACC pi = p[i * ps];                                                              \
+            s0 += pi * VLOAD(xi); s1 += pi * VLOAD(xi + VW);                                       \
+            s2 += pi * VLOAD(xi + 2 * VW); s3 += pi * VLOAD(xi + 3 * VW);                          \
+        }                                                                                          \
+        ASTORE(out + c, s0 * scale); ASTORE(out + c + VW, s1 * scale);                             \
+        ASTORE(out + c + 2 * VW, s2 * scale); ASTORE(out + c + 3 * VW, s3 * scale);                \
+    }                                                                                              \
+    for (; c + VW <= dh; c += VW) {                                                                \
+        V s0 = {0};                                                                                \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * VLOAD(x[i] + off + c);                   \
+        ASTORE(out + c, s0 * scale);                                                               \
+    }                                                                                              \
+    for (; c < dh; ++c) {                                                                          \
+        ACC s0 = 0;                                                                                \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * LOAD(x[i][off + c]);                     \
+        out[c] = s0 * scale;                                                                       \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+/* One step of the forward's pipeline, over n channels: the logit sums of the next row xn (from    \
+ * memory), *ss = sum xn^2 and *qv = sum xn.q, while the row before it, xc (from cache), joins the \
+ * accumulator, y = a y + b xc (y = b xc with `first`), or with to_out, out = (a y + b xc) s       \
+ * (non-temporal with `stream`). Either row may be NULL: the pipeline's first and last steps.      \
+ * Prefetches along xn's source, as reduce2. */                                                    \
+static inline void fwd_step_##SUF(const T *restrict xn, const ACC *restrict q, ACC *ss, ACC *qv,   \
+                                  const T *restrict xc, ACC *restrict y, int first, ACC a, ACC b,  \
+                                  T *to_out, ACC s, int stream, int64_t n) {                       \
+    V a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};                                                      \
+    int64_t c = 0;                                                                                 \
+    for (; c + 2 * VW <= n; c += 2 * VW) {                                                         \
+        if (xn) {                                                                                  \
+            for (size_t o = 0; o < 2 * VW * sizeof(T); o += 64) __builtin_prefetch((const char *)(xn + c) + PREFETCH_BYTES + o, 0, 3); \
+            const V x0 = VLOAD(xn + c), x1 = VLOAD(xn + c + VW);                                   \
+            a0 += x0 * x0; a1 += x1 * x1;                                                          \
+            b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                 \
+        }                                                                                          \
+        if (xc) {                                                                                  \
+            V y0 = b * VLOAD(xc + c), y1 = b * VLOAD(xc + c + VW);                                 \
+            if (!first) { y0 += a * ALOAD(y + c); y1 += a * ALOAD(y + c + VW); }                   \
+            if (to_out) { PUT(to_out + c, y0 * s, stream); PUT(to_out + c + VW, y1 * s, stream); } \
+            else { ASTORE(y + c, y0); ASTORE(y + c + VW, y1); }                                    \
+        }                                                                                          \
+    }                                                                                              \
+    ACC ra = VSUM(a0 + a1), rb = VSUM(b0 + b1);                                                    \
+    for (; c < n; ++c) {                                                                           \
+        if (xn) { const ACC x = LOAD(xn[c]); ra += x * x; rb += x * q[c]; }                        \
+        if (xc) {                                                                                  \
+            const ACC r = b * LOAD(xc[c]) + (first ? (ACC)0 : a * y[c]);                           \
+            if (to_out) to_out[c] = STORE(r * s); else y[c] = r;                                   \
+        }                                                                                          \
+    }                                                                                              \
+    *ss = ra; *qv = rb;                                                                            \
+}                                                                                                  \
+                                                                                                   \
+/* Forward, one pass with online softmax. A thread walks its tokens in tiles of j->tile tokens     \
+ * whose accumulators fit FWD_ACC_BYTES; inside a tile it takes the sources in turn and each       \
+ * source's rows in token order, so every source is read in one long contiguous run. The rows      \
+ * ("units": one head's dh channels of one row) form a pipeline: while a unit's logit sums stream  \
+ * in from memory, the unit before it, just read and still in L1, is added into its token's        \
+ * accumulator with the weight its logit now gives: y = exp(m_old - m_new) y + exp(z - m_new) x,   \
+ * the running max m and normaliser l updated as in FlashAttention. The last source's unit writes  \
+ * the output, y / l, and the logsumexp m + log l. scratch: acc [tile, d] | max, sum [tile, H] */  \
+static void *fwd_worker_##SUF(void *arg) {                                                         \
+    job_t *j = (job_t *)arg;                                                                       \
+    const T *const *v = (const T *const *)j->v;                                                    \
+    const ACC *q = (const ACC *)j->q;                                                              \
+    T *out = (T *)j->out;                                                                          \
+    ACC *lse = (ACC *)j->lse_out;                                                                  \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, TT = j->tile;                          \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                        \
+    ACC *acc = (ACC *)j->scratch, *mx = acc + TT * d, *sm = mx + TT * H;                           \
+    const T *xc = NULL; /* the unit waiting for its accumulation: source ci, token tile-row tc, head hc */ \
+    int64_t ci = 0, tc = 0, hc = 0, mc = 0;                                                        \
+    ACC zc = 0;                                                                                    \
+    for (int64_t m0 = j->m0; m0 < j->m1 || xc; m0 += TT) {                                         \
+        const int done = m0 >= j->m1; /* past the last tile: one step to drain the pipeline */     \
+        const int64_t tn = done ? 1 : (m0 + TT <= j->m1 ? TT : j->m1 - m0);                        \
+        for (int64_t i = 0; i < (done ? 1 : N); ++i) {                                             \
+            for (int64_t t = 0; t < tn; ++t) {                                                     \
+                for (int64_t h = 0; h < (done ? 1 : H); ++h) {                                     \
+                    const T *xn = done ? NULL : v[i] + (m0 + t) * d + h * dh;                      \
+                    const ACC *qn = q + (j->q_static ? 0 : (m0 + t) * d) + h * dh;                 \
+                    ACC a = 1, b = 1, s = 1, ss = 0, qv = 0;                                       \
+                    T *dst = NULL;                                                                 \
+                    if (xc) {                                                                      \
+                        const int64_t k = tc * H + hc;                                             \
+                        if (ci == 0) { mx[k] = zc; sm[k] = 1; }                                    \
+                        else if (zc > mx[k]) { a = EXP(mx[k] - zc); sm[k] = sm[k] * a + 1; mx[k] = zc; } \
+                        else { b = EXP(zc - mx[k]); sm[k] += b; }                                  \
+                        if (ci == N - 1) {                                                         \
+                            dst = out + mc * d + hc * dh;                                          \
+                            s = (ACC)1 / sm[k];                                                    \
+                            lse[mc * H + hc] = mx[k] + LOG(sm[k]);                                 \
+                        }                                                                          \
+                    }                                                                              \
+                    fwd_step_##SUF(xn, qn, &ss, &qv, xc, acc + tc * d + hc * dh, ci == 0, a, b, dst, s, j->stream, dh); \
+                    xc = xn; ci = i; tc = t; hc = h; mc = m0 + t;                                  \
+                    zc = qv * (j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1);           \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    stream_fence();                                                                                \
+    return NULL;                                                                                   \
+}                                                                                                  \
+                                                                                                   \
 /* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] */      \
 static void *bwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
@@ -501,9 +509,10 @@ int attnres_fwd_##SUF(const void *const *v, const void *q, void *out, void *lse,
     p.v = v; p.q = q; p.out = out; p.lse_out = lse;                                               \
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (M <= 0) return 0;                                                                         \
-    tiling(N, (int64_t)sizeof(T) * d, &p.tile, &p.group);                                         \
-    size_t bytes = sizeof(ACC) * (size_t)((p.group < N ? p.tile * d : 0) + (p.group + 2) * p.tile * H) + 64; \
-    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                \
+    p.tile = FWD_ACC_BYTES / ((int64_t)sizeof(ACC) * d);                                           \
+    if (p.tile < 1) p.tile = 1;                                                                    \
+    size_t bytes = sizeof(ACC) * (size_t)(p.tile * (d + 2 * H)) + 64;                              \
+    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                 \
     p.stream = (int64_t)sizeof(T) * M * d >= stream_threshold;                                    \
     char *scratch = launch(fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);              \
     if (!scratch) return -1;                                                                      \
@@ -521,7 +530,7 @@ int attnres_bwd_##SUF(const void *const *v, const void *q, const void *lse, cons
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
     if (M <= 0) return 0;                                                                         \
-    tiling(N + 1, (int64_t)sizeof(T) * d, &p.tile, &p.group); /* + 1: the rows of g */            \
+    p.tile = tiling(N + 1, (int64_t)sizeof(T) * d); /* + 1: the rows of g */                      \
     size_t bytes = sizeof(ACC) * (size_t)(d + (4 * N + 1) * p.tile * H) + 64;                     \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
     p.stream = (int64_t)sizeof(T) * N * M * d >= stream_threshold;                                \
@@ -575,7 +584,7 @@ static void *states_worker_##SUF(void *arg) {                                   
     const ACC *qs = (const ACC *)j->q;                                                            \
     ACC *out = (ACC *)j->out, *lse = (ACC *)j->lse_out;                                           \
     const int64_t N = j->N, M = j->M, d = j->d, H = j->H, dh = d / H;                             \
-    const int64_t TT = j->tile, Q = j->group;                                                     \
+    const int64_t TT = j->tile, Q = j->nq;                                                        \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
     ACC *zs = (ACC *)j->scratch;                                                                  \
     for (int64_t m0 = j->m0; m0 < j->m1; m0 += TT) {                                              \
@@ -609,8 +618,7 @@ static void *states_worker_##SUF(void *arg) {                                   
                     const ACC inv = (ACC)1 / l;                                                   \
                     lse[(k * M + m0 + t) * H + h] = mx + LOG(l);                                  \
                     const int64_t off = (m0 + t) * d + h * dh;                                    \
-                    wsum_##SUF(v, N, off, zs + (k * N * TT + t) * H + h, TT * H, dh, NULL, inv,   \
-                               out + (k * M + m0 + t) * d + h * dh, NULL, 0);                     \
+                    wsum_##SUF(v, N, off, zs + (k * N * TT + t) * H + h, TT * H, dh, inv, out + (k * M + m0 + t) * d + h * dh); \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -623,10 +631,9 @@ int attnres_states_##SUF(const void *const *v, const void *qs, void *lse, void *
     job_t p;                                                                                      \
     memset(&p, 0, sizeof p);                                                                      \
     p.v = v; p.q = qs; p.out = out; p.lse_out = lse;                                              \
-    p.N = N; p.M = M; p.d = d; p.H = H; p.key_norm = key_norm; p.eps = eps; p.group = Q;          \
+    p.N = N; p.M = M; p.d = d; p.H = H; p.key_norm = key_norm; p.eps = eps; p.nq = Q;             \
     if (M <= 0 || Q <= 0) return 0;                                                               \
-    int64_t unused;                                                                               \
-    tiling(N, (int64_t)sizeof(T) * d, &p.tile, &unused);                                          \
+    p.tile = tiling(N, (int64_t)sizeof(T) * d);                                                   \
     size_t bytes = sizeof(ACC) * (size_t)(Q * N * p.tile * H);                                    \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
     char *scratch = launch(states_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);           \
