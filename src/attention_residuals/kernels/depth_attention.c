@@ -286,122 +286,122 @@ static inline void reduce3_##SUF(const T *restrict x, const ACC *restrict q, con
     *a = ra; *b = rb; *e = re;                                                                    \
 }                                                                                                 \
                                                                                                   \
-/* The weighted sum of n sources x_i (rows at offset off), weights p[i * ps], over dh channels,    \
+/* The weighted sum of n sources x_i (rows at offset off), weights p[i * ps], over dh channels,   \
  * four vectors of channels at a time held in registers across all sources, times scale, into out  \
- * (accumulation type: the phase-1 states). */                                                     \
+ * (accumulation type: the phase-1 states). */                                                    \
 static inline void wsum_##SUF(const T *const *x, int64_t n, int64_t off, const ACC *p, int64_t ps, \
-                              int64_t dh, ACC scale, ACC *out) {                                   \
-    int64_t c = 0;                                                                                 \
-    for (; c + 4 * VW <= dh; c += 4 * VW) {                                                        \
-        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                  \
-        for (int64_t i = 0; i < n; ++i) {                                                          \
-            const T *xi = x[i] + off + c;                                                          \
-            const ACC pi = p[i * ps];                                                              \
-            s0 += pi * VLOAD(xi); s1 += pi * VLOAD(xi + VW);                                       \
-            s2 += pi * VLOAD(xi + 2 * VW); s3 += pi * VLOAD(xi + 3 * VW);                          \
-        }                                                                                          \
-        ASTORE(out + c, s0 * scale); ASTORE(out + c + VW, s1 * scale);                             \
-        ASTORE(out + c + 2 * VW, s2 * scale); ASTORE(out + c + 3 * VW, s3 * scale);                \
-    }                                                                                              \
-    for (; c + VW <= dh; c += VW) {                                                                \
-        V s0 = {0};                                                                                \
-        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * VLOAD(x[i] + off + c);                   \
-        ASTORE(out + c, s0 * scale);                                                               \
-    }                                                                                              \
-    for (; c < dh; ++c) {                                                                          \
-        ACC s0 = 0;                                                                                \
-        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * LOAD(x[i][off + c]);                     \
-        out[c] = s0 * scale;                                                                       \
-    }                                                                                              \
-}                                                                                                  \
-                                                                                                   \
-/* One step of the forward's pipeline, over n channels: the logit sums of the next row xn (from    \
+                              int64_t dh, ACC scale, ACC *out) {                                  \
+    int64_t c = 0;                                                                                \
+    for (; c + 4 * VW <= dh; c += 4 * VW) {                                                       \
+        V s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                                 \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            const T *xi = x[i] + off + c;                                                         \
+            const ACC pi = p[i * ps];                                                             \
+            s0 += pi * VLOAD(xi); s1 += pi * VLOAD(xi + VW);                                      \
+            s2 += pi * VLOAD(xi + 2 * VW); s3 += pi * VLOAD(xi + 3 * VW);                         \
+        }                                                                                         \
+        ASTORE(out + c, s0 * scale); ASTORE(out + c + VW, s1 * scale);                            \
+        ASTORE(out + c + 2 * VW, s2 * scale); ASTORE(out + c + 3 * VW, s3 * scale);               \
+    }                                                                                             \
+    for (; c + VW <= dh; c += VW) {                                                               \
+        V s0 = {0};                                                                               \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * VLOAD(x[i] + off + c);                  \
+        ASTORE(out + c, s0 * scale);                                                              \
+    }                                                                                             \
+    for (; c < dh; ++c) {                                                                         \
+        ACC s0 = 0;                                                                               \
+        for (int64_t i = 0; i < n; ++i) s0 += p[i * ps] * LOAD(x[i][off + c]);                    \
+        out[c] = s0 * scale;                                                                      \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* One step of the forward's pipeline, over n channels: the logit sums of the next row xn (from   \
  * memory), *ss = sum xn^2 and *qv = sum xn.q, while the row before it, xc (from cache), joins the \
- * accumulator, y = a y + b xc (y = b xc with `first`), or with to_out, out = (a y + b xc) s       \
- * (non-temporal with `stream`). Either row may be NULL: the pipeline's first and last steps.      \
- * Prefetches along xn's source, as reduce2. */                                                    \
-static inline void fwd_step_##SUF(const T *restrict xn, const ACC *restrict q, ACC *ss, ACC *qv,   \
+ * accumulator, y = a y + b xc (y = b xc with `first`), or with to_out, out = (a y + b xc) s      \
+ * (non-temporal with `stream`). Either row may be NULL: the pipeline's first and last steps.     \
+ * Prefetches along xn's source, as reduce2. */                                                   \
+static inline void fwd_step_##SUF(const T *restrict xn, const ACC *restrict q, ACC *ss, ACC *qv,  \
                                   const T *restrict xc, ACC *restrict y, int first, ACC a, ACC b,  \
-                                  T *to_out, ACC s, int stream, int64_t n) {                       \
-    V a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};                                                      \
-    int64_t c = 0;                                                                                 \
-    for (; c + 2 * VW <= n; c += 2 * VW) {                                                         \
-        if (xn) {                                                                                  \
+                                  T *to_out, ACC s, int stream, int64_t n) {                      \
+    V a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0};                                                     \
+    int64_t c = 0;                                                                                \
+    for (; c + 2 * VW <= n; c += 2 * VW) {                                                        \
+        if (xn) {                                                                                 \
             for (size_t o = 0; o < 2 * VW * sizeof(T); o += 64) __builtin_prefetch((const char *)(xn + c) + PREFETCH_BYTES + o, 0, 3); \
-            const V x0 = VLOAD(xn + c), x1 = VLOAD(xn + c + VW);                                   \
-            a0 += x0 * x0; a1 += x1 * x1;                                                          \
-            b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                 \
-        }                                                                                          \
-        if (xc) {                                                                                  \
-            V y0 = b * VLOAD(xc + c), y1 = b * VLOAD(xc + c + VW);                                 \
-            if (!first) { y0 += a * ALOAD(y + c); y1 += a * ALOAD(y + c + VW); }                   \
+            const V x0 = VLOAD(xn + c), x1 = VLOAD(xn + c + VW);                                  \
+            a0 += x0 * x0; a1 += x1 * x1;                                                         \
+            b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                \
+        }                                                                                         \
+        if (xc) {                                                                                 \
+            V y0 = b * VLOAD(xc + c), y1 = b * VLOAD(xc + c + VW);                                \
+            if (!first) { y0 += a * ALOAD(y + c); y1 += a * ALOAD(y + c + VW); }                  \
             if (to_out) { PUT(to_out + c, y0 * s, stream); PUT(to_out + c + VW, y1 * s, stream); } \
-            else { ASTORE(y + c, y0); ASTORE(y + c + VW, y1); }                                    \
-        }                                                                                          \
-    }                                                                                              \
-    ACC ra = VSUM(a0 + a1), rb = VSUM(b0 + b1);                                                    \
-    for (; c < n; ++c) {                                                                           \
-        if (xn) { const ACC x = LOAD(xn[c]); ra += x * x; rb += x * q[c]; }                        \
-        if (xc) {                                                                                  \
-            const ACC r = b * LOAD(xc[c]) + (first ? (ACC)0 : a * y[c]);                           \
-            if (to_out) to_out[c] = STORE(r * s); else y[c] = r;                                   \
-        }                                                                                          \
-    }                                                                                              \
-    *ss = ra; *qv = rb;                                                                            \
-}                                                                                                  \
-                                                                                                   \
-/* Forward, one pass with online softmax. A thread walks its tokens in tiles of j->tile tokens     \
- * whose accumulators fit FWD_ACC_BYTES; inside a tile it takes the sources in turn and each       \
- * source's rows in token order, so every source is read in one long contiguous run. The rows      \
+            else { ASTORE(y + c, y0); ASTORE(y + c + VW, y1); }                                   \
+        }                                                                                         \
+    }                                                                                             \
+    ACC ra = VSUM(a0 + a1), rb = VSUM(b0 + b1);                                                   \
+    for (; c < n; ++c) {                                                                          \
+        if (xn) { const ACC x = LOAD(xn[c]); ra += x * x; rb += x * q[c]; }                       \
+        if (xc) {                                                                                 \
+            const ACC r = b * LOAD(xc[c]) + (first ? (ACC)0 : a * y[c]);                          \
+            if (to_out) to_out[c] = STORE(r * s); else y[c] = r;                                  \
+        }                                                                                         \
+    }                                                                                             \
+    *ss = ra; *qv = rb;                                                                           \
+}                                                                                                 \
+                                                                                                  \
+/* Forward, one pass with online softmax. A thread walks its tokens in tiles of j->tile tokens    \
+ * whose accumulators fit FWD_ACC_BYTES; inside a tile it takes the sources in turn and each      \
+ * source's rows in token order, so every source is read in one long contiguous run. The rows     \
  * ("units": one head's dh channels of one row) form a pipeline: while a unit's logit sums stream  \
- * in from memory, the unit before it, just read and still in L1, is added into its token's        \
- * accumulator with the weight its logit now gives: y = exp(m_old - m_new) y + exp(z - m_new) x,   \
+ * in from memory, the unit before it, just read and still in L1, is added into its token's       \
+ * accumulator with the weight its logit now gives: y = exp(m_old - m_new) y + exp(z - m_new) x,  \
  * the running max m and normaliser l updated as in FlashAttention. The last source's unit writes  \
  * the output, y / l, and the logsumexp m + log l. scratch: acc [tile, d] | max, sum [tile, H] */  \
-static void *fwd_worker_##SUF(void *arg) {                                                         \
-    job_t *j = (job_t *)arg;                                                                       \
-    const T *const *v = (const T *const *)j->v;                                                    \
-    const ACC *q = (const ACC *)j->q;                                                              \
-    T *out = (T *)j->out;                                                                          \
-    ACC *lse = (ACC *)j->lse_out;                                                                  \
-    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, TT = j->tile;                          \
-    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                        \
-    ACC *acc = (ACC *)j->scratch, *mx = acc + TT * d, *sm = mx + TT * H;                           \
+static void *fwd_worker_##SUF(void *arg) {                                                        \
+    job_t *j = (job_t *)arg;                                                                      \
+    const T *const *v = (const T *const *)j->v;                                                   \
+    const ACC *q = (const ACC *)j->q;                                                             \
+    T *out = (T *)j->out;                                                                         \
+    ACC *lse = (ACC *)j->lse_out;                                                                 \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, TT = j->tile;                         \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
+    ACC *acc = (ACC *)j->scratch, *mx = acc + TT * d, *sm = mx + TT * H;                          \
     const T *xc = NULL; /* the unit waiting for its accumulation: source ci, token tile-row tc, head hc */ \
-    int64_t ci = 0, tc = 0, hc = 0, mc = 0;                                                        \
-    ACC zc = 0;                                                                                    \
-    for (int64_t m0 = j->m0; m0 < j->m1 || xc; m0 += TT) {                                         \
-        const int done = m0 >= j->m1; /* past the last tile: one step to drain the pipeline */     \
-        const int64_t tn = done ? 1 : (m0 + TT <= j->m1 ? TT : j->m1 - m0);                        \
-        for (int64_t i = 0; i < (done ? 1 : N); ++i) {                                             \
-            for (int64_t t = 0; t < tn; ++t) {                                                     \
-                for (int64_t h = 0; h < (done ? 1 : H); ++h) {                                     \
-                    const T *xn = done ? NULL : v[i] + (m0 + t) * d + h * dh;                      \
-                    const ACC *qn = q + (j->q_static ? 0 : (m0 + t) * d) + h * dh;                 \
-                    ACC a = 1, b = 1, s = 1, ss = 0, qv = 0;                                       \
-                    T *dst = NULL;                                                                 \
-                    if (xc) {                                                                      \
-                        const int64_t k = tc * H + hc;                                             \
-                        if (ci == 0) { mx[k] = zc; sm[k] = 1; }                                    \
+    int64_t ci = 0, tc = 0, hc = 0, mc = 0;                                                       \
+    ACC zc = 0;                                                                                   \
+    for (int64_t m0 = j->m0; m0 < j->m1 || xc; m0 += TT) {                                        \
+        const int done = m0 >= j->m1; /* past the last tile: one step to drain the pipeline */    \
+        const int64_t tn = done ? 1 : (m0 + TT <= j->m1 ? TT : j->m1 - m0);                       \
+        for (int64_t i = 0; i < (done ? 1 : N); ++i) {                                            \
+            for (int64_t t = 0; t < tn; ++t) {                                                    \
+                for (int64_t h = 0; h < (done ? 1 : H); ++h) {                                    \
+                    const T *xn = done ? NULL : v[i] + (m0 + t) * d + h * dh;                     \
+                    const ACC *qn = q + (j->q_static ? 0 : (m0 + t) * d) + h * dh;                \
+                    ACC a = 1, b = 1, s = 1, ss = 0, qv = 0;                                      \
+                    T *dst = NULL;                                                                \
+                    if (xc) {                                                                     \
+                        const int64_t k = tc * H + hc;                                            \
+                        if (ci == 0) { mx[k] = zc; sm[k] = 1; }                                   \
                         else if (zc > mx[k]) { a = EXP(mx[k] - zc); sm[k] = sm[k] * a + 1; mx[k] = zc; } \
-                        else { b = EXP(zc - mx[k]); sm[k] += b; }                                  \
-                        if (ci == N - 1) {                                                         \
-                            dst = out + mc * d + hc * dh;                                          \
-                            s = (ACC)1 / sm[k];                                                    \
-                            lse[mc * H + hc] = mx[k] + LOG(sm[k]);                                 \
-                        }                                                                          \
-                    }                                                                              \
+                        else { b = EXP(zc - mx[k]); sm[k] += b; }                                 \
+                        if (ci == N - 1) {                                                        \
+                            dst = out + mc * d + hc * dh;                                         \
+                            s = (ACC)1 / sm[k];                                                   \
+                            lse[mc * H + hc] = mx[k] + LOG(sm[k]);                                \
+                        }                                                                         \
+                    }                                                                             \
                     fwd_step_##SUF(xn, qn, &ss, &qv, xc, acc + tc * d + hc * dh, ci == 0, a, b, dst, s, j->stream, dh); \
-                    xc = xn; ci = i; tc = t; hc = h; mc = m0 + t;                                  \
-                    zc = qv * (j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1);           \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-    }                                                                                              \
-    stream_fence();                                                                                \
-    return NULL;                                                                                   \
-}                                                                                                  \
-                                                                                                   \
+                    xc = xn; ci = i; tc = t; hc = h; mc = m0 + t;                                 \
+                    zc = qv * (j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1);          \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    stream_fence();                                                                               \
+    return NULL;                                                                                  \
+}                                                                                                 \
+                                                                                                  \
 /* Backward. scratch: dq partial [d] | r, z, alpha, s [N, tile, H] each | delta [tile, H] */      \
 static void *bwd_worker_##SUF(void *arg) {                                                        \
     job_t *j = (job_t *)arg;                                                                      \
@@ -509,10 +509,10 @@ int attnres_fwd_##SUF(const void *const *v, const void *q, void *out, void *lse,
     p.v = v; p.q = q; p.out = out; p.lse_out = lse;                                               \
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm; p.eps = eps; \
     if (M <= 0) return 0;                                                                         \
-    p.tile = FWD_ACC_BYTES / ((int64_t)sizeof(ACC) * d);                                           \
-    if (p.tile < 1) p.tile = 1;                                                                    \
-    size_t bytes = sizeof(ACC) * (size_t)(p.tile * (d + 2 * H)) + 64;                              \
-    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                 \
+    p.tile = FWD_ACC_BYTES / ((int64_t)sizeof(ACC) * d);                                          \
+    if (p.tile < 1) p.tile = 1;                                                                   \
+    size_t bytes = sizeof(ACC) * (size_t)(p.tile * (d + 2 * H)) + 64;                             \
+    bytes = (bytes + 63) & ~(size_t)63; /* slots stay aligned, no false sharing */                \
     p.stream = (int64_t)sizeof(T) * M * d >= stream_threshold;                                    \
     char *scratch = launch(fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);              \
     if (!scratch) return -1;                                                                      \
