@@ -118,9 +118,11 @@ def compile_all(arch: int, dtype_names: list[str], quick: bool = False) -> tuple
         return kernel
 
     driver.set_active(_CompileOnlyDriver(arch))
-    for fn in vars(tk).values():  # each kernel keeps its target per device: drop the last arch's
+    for fn in vars(tk).values():  # each kernel caches per device: drop the last arch's binaries
         if isinstance(fn, JITFunction):
-            fn.device_caches.clear()
+            for name in ("device_caches", "cache"):  # triton 3.3-3.9, and 3.1
+                if hasattr(fn, name):
+                    getattr(fn, name).clear()
     JITFunction.run = compile_only
     try:
         for name in dtype_names:
