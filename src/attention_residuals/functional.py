@@ -59,12 +59,10 @@ def check_depth_inputs(query: torch.Tensor, sources: torch.Tensor, heads: int = 
         raise ValueError(
             f"query: last dim must equal the sources' hidden size d={d}, got query shape {tuple(query.shape)}"
         )
-    batch = sources.shape[1:-1]
-    try:
-        out_batch = torch.broadcast_shapes(query.shape[:-1], batch)
-    except RuntimeError:
-        out_batch = None
-    if out_batch is None or tuple(out_batch) != tuple(batch):
+    batch, query_batch = tuple(sources.shape[1:-1]), tuple(query.shape[:-1])
+    # broadcasts to exactly `batch`: plain integers, no torch call (this runs on every op, often
+    # right after a kernel has flushed the caches)
+    if len(query_batch) > len(batch) or any(q not in (1, b) for q, b in zip(query_batch[::-1], batch[::-1])):
         raise ValueError(
             f"query: shape {tuple(query.shape)} does not broadcast to the sources' batch shape "
             f"{tuple(batch)} + (d={d},)"

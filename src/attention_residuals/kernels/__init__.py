@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -154,11 +155,13 @@ def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: s
 Sources = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-def _checked(query: torch.Tensor, sources: Sources, heads: int) -> list[torch.Tensor]:
-    """Validate ``(query, sources)`` and return the sources as a list of ``[*batch, d]`` tensors."""
+def _checked(query: torch.Tensor, sources: Sources, heads: int) -> Sequence[torch.Tensor]:
+    """Validate ``(query, sources)`` and return the sources as a sequence of N ``[*batch, d]``
+    tensors: a stacked tensor is returned as it is (indexing and iterating it give its slices,
+    without making N views on every call)."""
     if isinstance(sources, torch.Tensor):
         check_depth_inputs(query, sources, heads)
-        srcs = list(sources.unbind(0))
+        srcs = sources
     else:
         check_source_list(sources)
         srcs = list(sources)
