@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 # The library itself accepts a range of torch versions; the install step pins the CPU wheel
 # that lies on this machine's disk (an unpinned torch would pull a multi-GB CUDA build).
 TORCH_PIN ?= torch==2.13.0
+# The tests run the Triton kernels through its interpreter and compile them through its internals
+# (scripts/triton_aot.py): pinned here too, so that a new release cannot change a green suite.
+TRITON_PIN ?= triton==3.9.0; sys_platform == 'linux'
 
 .PHONY: venv test demo bench gpu-wheels lint clean
 
@@ -12,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[hf,dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[hf,dev]" "$(TORCH_PIN)" "$(TRITON_PIN)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -28,7 +31,7 @@ demo: venv
 # peers, then their page. `attnres bench dist` (torch.distributed figures) is run on its own.
 BENCH := $(VENV)/bin/attnres bench
 bench: venv
-	$(PY) -m pip install -q -e ".[hf,dev,peers]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[hf,dev,peers]" "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(BENCH) op --repeats 7 --json results/bench/op_cpu_float32.json > /dev/null
 	$(BENCH) model --repeats 5 --json results/bench/model_cpu.json > /dev/null
 	$(BENCH) memory --json results/bench/memory_cpu.json > /dev/null
