@@ -377,7 +377,7 @@ static void *fwd_worker_##SUF(void *arg) {                                      
             for (int64_t t = 0; t < tn; ++t) {                                                    \
                 for (int64_t h = 0; h < (done ? 1 : H); ++h) {                                    \
                     const T *xn = done ? NULL : v[i] + (m0 + t) * d + h * dh;                     \
-                    const ACC *qn = q + (j->q_static ? 0 : (m0 + t) * d) + h * dh;                \
+                    const ACC *qn = done ? q : q + (j->q_static ? 0 : (m0 + t) * d) + h * dh;     \
                     ACC a = 1, b = 1, s = 1, ss = 0, qv = 0;                                      \
                     T *dst = NULL;                                                                \
                     if (xc) {                                                                     \
