@@ -128,8 +128,8 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
             }
             for seed in range(budget.seeds):
                 for v, o in variants.items():
-                    o = {**_model(d, n_layer, n_head), "steps": steps, **o}
-                    out.append(RunSpec(f"{size}_{v}_s{seed}", v, o, seed, size))
+                    cfg = {**_model(d, n_layer, n_head), "steps": steps, **o}
+                    out.append(RunSpec(f"{size}_{v}_s{seed}", v, cfg, seed, size))
     elif experiment == "ablation":
         d, n_layer, n_head = budget.mid
         for seed in range(budget.seeds):

@@ -30,10 +30,11 @@ _MAX_BLOCK_D = 4096  # lanes per program for one head's channels; above, chunked
 _TILE_ELEMS = 4096  # BLOCK_M * BLOCK_D
 # Warps per program: 8 spreads a 4096-element tile over 256 threads (16 elements per thread and
 # tensor), as the common heuristic for fused row kernels has it (8 warps from 2048 elements, in
-# Unsloth's and Liger-Kernel's launch settings). Compiled for sm_90 by scripts/triton_aot.py
-# (no GPU needed): with 4 warps most backward variants took 150-255 registers per thread and 5 of the
-# 93 binaries spilled to the stack (up to 104 bytes: float32 backward at dh = 192); with 8, at most
-# 169 registers and no spills. Not yet timed on a GPU: scripts/gpu_check.sh times 4 against 8.
+# Unsloth's and Liger-Kernel's launch settings). Compiled for sm_90 by scripts/triton_aot.py (no
+# GPU needed; results/triton/): with 4 warps most backward variants took 150-255 registers per
+# thread and 5 of the 99 binaries spilled to the stack (up to 104 bytes: float32 backward at
+# dh = 192); with 8, at most 169 registers and no spills. Not yet timed on a GPU:
+# scripts/gpu_check.sh times 4 against 8.
 _NUM_WARPS = 8
 
 
