@@ -30,6 +30,9 @@ def test_bench_op_quick(capsys, tmp_path):
         assert r["fwd"]["best_ms"] > 0 and r["fwdbwd"]["best_ms"] > 0
         assert len(r["fwd"]["all_ms"]) == data["config"]["repeats"]
         assert r["fwd_ratio"] == pytest.approx(data["roofline"]["fwd_ms"] / r["fwd"]["best_ms"], rel=1e-2)
+        sums = data["roofline"]["sum_times"]["all_ms"]
+        within = sorted(s / f for s, f in zip(sums, r["fwd"]["all_ms"]))  # quick: 2 rounds, median = mean
+        assert r["fwd_ratio_paired"] == pytest.approx(sum(within) / len(within), rel=1e-2)
         if r["kind"] == "ours":
             assert r["max_abs_err_vs_float64"] < 1e-4
     for s in data["skipped"]:  # every skipped case says why
@@ -44,7 +47,7 @@ def test_bench_model_and_memory_quick(capsys, tmp_path):
     assert ("train", "block", None) in kinds and ("prefill", "block", "two_phase") in kinds
     assert not data["failed"]
     base = [r for r in data["results"] if r["variant"] == "prenorm"]
-    assert all(r["ratio_vs_prenorm"] == 1.0 for r in base)
+    assert all(r["ratio_vs_prenorm"] == 1.0 and r["ratio_vs_prenorm_paired"] == 1.0 for r in base)
     data, table = _run(capsys, tmp_path, "memory")
     assert {r["variant"] for r in data["activation_memory"]} >= {"prenorm", "block", "full", "mhc"}
     assert all(r["saved_activation_MiB"] > 0 for r in data["activation_memory"])
@@ -60,6 +63,18 @@ def test_bench_usage_and_unknown(capsys):
         assert name in out
     assert bench.main(["nope"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_paired_ratio_is_the_median_of_within_round_ratios():
+    # the rounds' memory speed drifts 2x; the op is 0.8x the roofline in every round
+    roof = [2.0, 4.0, 2.0, 4.0, 3.0]
+    ours = [r / 0.8 for r in roof]
+    assert bench.paired_ratio(roof, ours) == pytest.approx(0.8)
+    assert min(roof) / min(ours) == pytest.approx(0.8)
+    ours[0] = 9.0  # one disturbed round moves the median by nothing
+    assert bench.paired_ratio(roof, ours) == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        bench.paired_ratio(roof, ours[:-1])
 
 
 def test_io_per_layer_formulas():

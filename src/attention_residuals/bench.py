@@ -13,7 +13,9 @@ Method: every case is warmed up, then the repeats are interleaved (one of each c
 the round order rotated) and the best of the repeats is reported beside the median. The memory
 roofline is measured in the same run: the best time of one streaming read of the sources
 (``sources.sum()``) for the forward, 3x that for forward+backward (read the sources, read them
-again and write their gradient). Ratio = roofline time / time (1.0 = at the roofline).
+again and write their gradient). Ratio = roofline time / time (1.0 = at the roofline). Beside it
+the paired ratio: the median over rounds of the ratio within one round, whose two timings ran
+seconds apart under the same memory speed and load (a VM's memory drifts between rounds).
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def _ms(seconds: list[float]) -> dict[str, float]:
         "median_ms": round(statistics.median(seconds) * 1e3, 6),
         "all_ms": [round(s * 1e3, 4) for s in seconds],
     }
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median over the rounds of ``num[r] / den[r]``: the two cases of a round ran seconds apart, under
+    the same memory and load, so this ratio moves less with a drifting machine than best / best."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def cache_large_allocations() -> str:
@@ -396,7 +404,8 @@ def _run_op(
                 errors[name] = float((fn(q, v).double() - want).abs().max())
 
     times, failed = interleaved(cases, args.repeats, device)
-    roof = min(times["roofline: sources.sum()"])
+    sums = times["roofline: sources.sum()"]
+    roof = min(sums)
     bytes_read = v.numel() * v.element_size()
     result = {
         "bench": "op",
@@ -414,7 +423,7 @@ def _run_op(
             "fwd_ms": round(roof * 1e3, 6),
             "fwdbwd_ms": round(3 * roof * 1e3, 6),
             "bandwidth_GBps": round(bytes_read / roof / 1e9, 2),
-            "sum_times": _ms(times["roofline: sources.sum()"]),
+            "sum_times": _ms(sums),
         },
         "targets": {"fwd_ratio": TARGETS["fwd_ratio"], "fwdbwd_ratio": TARGETS["fwdbwd_ratio"]},
         "results": [],
@@ -425,7 +434,7 @@ def _run_op(
         if fn is None or f"{name}|fwd" in failed or f"{name}|fwdbwd" in failed:
             why = reason or failed.get(f"{name}|fwd") or failed.get(f"{name}|fwdbwd")
             result["skipped"].append({"name": name, "kind": kind, "reason": why})
-            rows.append([name, "-", "-", "-", "-", f"skipped: {why}"[:90]])
+            rows.append([name, "-", "-", "-", "-", "-", f"skipped: {why}"[:90]])
             continue
         f, fb = min(times[f"{name}|fwd"]), min(times[f"{name}|fwdbwd"])
         entry = {
@@ -435,6 +444,8 @@ def _run_op(
             "fwdbwd": _ms(times[f"{name}|fwdbwd"]),
             "fwd_ratio": round(roof / f, 6),
             "fwdbwd_ratio": round(3 * roof / fb, 6),
+            "fwd_ratio_paired": round(paired_ratio(sums, times[f"{name}|fwd"]), 6),
+            "fwdbwd_ratio_paired": round(3 * paired_ratio(sums, times[f"{name}|fwdbwd"]), 6),
             "max_abs_err_vs_float64": errors.get(name),
         }
         if name in compile_s:
@@ -447,6 +458,7 @@ def _run_op(
                 _fmt(roof / f),
                 _fmt(fb * 1e3),
                 _fmt(3 * roof / fb),
+                f"{entry['fwd_ratio_paired']:.3f} / {entry['fwdbwd_ratio_paired']:.3f}",
                 _fmt(errors.get(name), 8),
             ]
         )
@@ -459,12 +471,13 @@ def _run_op(
             _fmt(3 * roof * 1e3),
             "1.000",
             "",
+            "",
         ],
     )
     return result, rows
 
 
-OP_HEADER = ["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio", "max |err| / note"]
+OP_HEADER = ["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio", "paired fwd / fwd+bwd", "max |err| / note"]
 
 
 def bench_op(argv: list[str]) -> int:
@@ -580,10 +593,8 @@ def bench_model(argv: list[str]) -> int:
 
             cases[f"prefill|{label}|{schedule}"] = prefill
     times, failed = interleaved(cases, args.repeats, device)
-    base = {
-        kind: min(times[f"{kind}|prenorm" + ("|plain" if kind == "prefill" else "")])
-        for kind in ("train", "prefill")
-    }
+    base_name = {"train": "train|prenorm", "prefill": "prefill|prenorm|plain"}
+    base = {kind: min(times[name]) for kind, name in base_name.items()}
     result = {
         "bench": "model",
         "command": _command("model", argv),
@@ -613,10 +624,13 @@ def bench_model(argv: list[str]) -> int:
                 "schedule": sched[0] if sched else None,
                 **_ms(ts),
                 "ratio_vs_prenorm": round(ratio, 4),
+                "ratio_vs_prenorm_paired": round(paired_ratio(ts, times[base_name[kind]]), 4),
             }
         )
-        rows.append([kind, label, sched[0] if sched else "", _fmt(min(ts) * 1e3, 1), _fmt(ratio)])
-    return _finish(result, args, rows, ["step", "variant", "schedule", "best ms", "x prenorm"])
+        paired = result["results"][-1]["ratio_vs_prenorm_paired"]
+        rows.append([kind, label, sched[0] if sched else "", _fmt(min(ts) * 1e3, 1), _fmt(ratio), _fmt(paired)])
+    header = ["step", "variant", "schedule", "best ms", "x prenorm", "x prenorm (paired)"]
+    return _finish(result, args, rows, header)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -845,10 +859,16 @@ def bench_peers(argv: list[str]) -> int:
     for pkg in ("attn-res", "attention_residuals"):
         pre, blk = (times.get(f"train|{pkg} {v}") for v in ("prenorm", "block"))
         if pre and blk:
+            paired = paired_ratio(blk, pre)
             steps.append(
-                {"kind": "train_overhead", "name": pkg, "block_over_prenorm": round(min(blk) / min(pre), 4)}
+                {
+                    "kind": "train_overhead",
+                    "name": pkg,
+                    "block_over_prenorm": round(min(blk) / min(pre), 4),
+                    "block_over_prenorm_paired": round(paired, 4),
+                }
             )
-            rows.append(["train block/prenorm", pkg, _fmt(min(blk) / min(pre))])
+            rows.append(["train block/prenorm (best; paired)", pkg, f"{_fmt(min(blk) / min(pre))}; {_fmt(paired)}"])
     result = {
         "bench": "peers",
         "command": _command("peers", argv),
