@@ -129,7 +129,7 @@ def test_rules_that_start_as_prenorm(residual, idx):
 @pytest.mark.parametrize(
     "kw",
     [dict(residual="full"), dict(residual="full", block_size=4), dict(residual="block", block_size=2),
-     dict(residual="block", block_size=4), dict(residual="block", block_size=6), dict(residual="block", n_blocks=4),
+     dict(residual="block", block_size=4), dict(residual="block", block_size=6), dict(residual="block", n_blocks=2),
      dict(residual="block", block_size=2, heads=4), dict(residual="full", key_norm=False),
      dict(residual="block", block_size=2, intra_gate=True)],
 )
@@ -215,6 +215,7 @@ def test_depth_weights_rows_and_nan(idx):
     "kw,match",
     [(dict(residual="nope"), "residual"), (dict(residual="block", block_size=7), "block_size"),
      (dict(residual="block", n_blocks=0), "n_blocks"), (dict(residual="block", block_size=2, n_blocks=2), "n_blocks"),
+     (dict(residual="block", n_blocks=4), r"n_blocks: 4 blocks do not fit L=6 .* fit: \[1, 2, 3, 6\]"),
      (dict(d_model=30), "n_head"), (dict(residual="full", heads=5), "heads"), (dict(residual="full", query="x"), "query"),
      (dict(n_layer=0), "n_layer"), (dict(residual="full", intra_gate=True), "intra_gate"),
      (dict(residual="block", query="lowrank", query_rank=0), "query_rank")],

@@ -458,7 +458,15 @@ def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | No
     if n_blocks is not None:
         if not 1 <= n_blocks <= n_layers:
             raise ValueError(f"n_blocks: must be in 1..L={n_layers}, got {n_blocks}")
-        return math.ceil(n_layers / n_blocks)
+        size = math.ceil(n_layers / n_blocks)  # N blocks of S, the last one possibly partial
+        if math.ceil(n_layers / size) != n_blocks:  # e.g. L = 18, N = 8: S = 3 makes 6 blocks
+            fits = sorted({math.ceil(n_layers / s) for s in range(1, n_layers + 1)})
+            raise ValueError(
+                f"n_blocks: {n_blocks} blocks do not fit L={n_layers} sublayers (blocks of "
+                f"S=ceil(L/N)={size} make {math.ceil(n_layers / size)}); n_blocks that fit: {fits}, "
+                "or give block_size"
+            )
+        return size
     if block_size is not None and not 1 <= block_size <= n_layers:
         raise ValueError(f"block_size: must be in 1..L={n_layers} sublayers (L = 2 * n_layer), got {block_size}")
     return block_size

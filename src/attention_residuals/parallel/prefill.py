@@ -1,10 +1,17 @@
-"""Memory-efficient prefill: block states sharded over the hidden dim, and sequence chunks.
+"""Memory-efficient prefill: block states sharded over the sequence (or the hidden dim), in chunks.
 
 Prefilling ``T`` tokens with Block AttnRes keeps the block representations ``b_0 ... b_N`` of
 every token alive until the final readout: ``(N + 1) T d`` elements (the report's section 4.2
-counts ``N T d``: 128K tokens, 8 blocks, d = 7168 in bf16 -> 15 GB). Two exact reductions:
+counts ``N T d``: 128K tokens, 8 blocks, d = 7168 in bf16 -> 15 GB). Two exact reductions, sharding
+and chunking:
 
-**Hidden-dim sharding** over ``P`` tensor-parallel ranks: rank ``r`` stores channels
+**Sequence sharding** (``shard="sequence"``, the default: what the report's section 4.2 describes):
+rank ``r`` stores every block for its ``1/P`` of each chunk's tokens; depth attention needs no
+communication at all (it is per token), MLP sublayers run on the local tokens, attention
+sublayers all-gather their input over the sequence. Block-state memory per rank:
+``(N + 1) T d / P``.
+
+**Hidden-dim sharding** (``shard="hidden"``) over ``P`` tensor-parallel ranks: rank ``r`` stores channels
 ``[r d/P, (r+1) d/P)`` of every block. Depth attention only needs per-token scalars across
 the shards: for each source ``i`` (and depth head), the partial sums ``sum_c x_ic^2`` (the key's
 RMSNorm) and ``sum_c q_c x_ic`` (the logit) over the local channels; one all-reduce of those
@@ -16,12 +23,8 @@ before it is added to the partial block. Memory of the block states per rank: ``
 
 **Sequence chunks** of ``chunk_size`` tokens go through the whole model one after another with
 a KV cache (depth attention is per token, so a chunk never needs another chunk's block states;
-sequence attention reads the cached keys and values). Block-state memory: ``(N + 1) chunk d / P``.
-
-**Sequence sharding** (``shard="sequence"``, what the report's text describes): rank ``r`` stores
-every block for its ``1/P`` of each chunk's tokens; depth attention needs no communication at all
-(it is per token), MLP sublayers run on the local tokens, attention sublayers all-gather their
-input over the sequence. Same ``(N + 1) chunk d / P`` per rank.
+sequence attention reads the cached keys and values). Block-state memory with either sharding:
+``(N + 1) chunk d / P``.
 
 The layers' weights are replicated on every rank here (the depth-attention state is what this
 module shards; sharding ``f_l`` itself is ordinary Megatron tensor parallelism, under which the
@@ -163,20 +166,20 @@ def _check_model(model) -> BlockAttnRes:
     return res
 
 
-SHARDS = ("hidden", "sequence")
+SHARDS = ("sequence", "hidden")
 
 
 @torch.no_grad()
 def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = None,
-            last_only: bool = False, shard: str = "hidden") -> PrefillResult:
+            last_only: bool = False, shard: str = "sequence") -> PrefillResult:
     """Prefill ``idx`` ``[B, T]`` through a Block AttnRes GPT; exact (to float rounding).
 
     ``group``: a process group whose ranks shard the block states (every rank passes the same
-    ``idx`` and an identical model); ``None``: one rank holds them all. ``shard="hidden"``
-    splits the channels (module docstring); ``shard="sequence"`` (the report's wording) splits
-    each chunk's tokens: depth attention is per token, so it runs locally without any
-    communication, MLP sublayers run on the local tokens only, and attention sublayers
-    all-gather their input over the sequence (each chunk must split evenly over the ranks).
+    ``idx`` and an identical model); ``None``: one rank holds them all. ``shard="sequence"``
+    (the default, as in the report) splits each chunk's tokens: depth attention is per token,
+    so it runs locally without any communication, MLP sublayers run on the local tokens only,
+    and attention sublayers all-gather their input over the sequence (each chunk must split
+    evenly over the ranks). ``shard="hidden"`` splits the channels (module docstring).
     ``chunk_size``: tokens per sequence chunk (``None``: the whole sequence at once). Returns
     the logits (``last_only``: of the last position), the filled KV cache and this rank's
     :class:`PrefillStats`.
