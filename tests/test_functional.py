@@ -24,11 +24,12 @@ def plain(query, sources, eps=1e-6, heads=1, key_norm=True):
 
 @pytest.mark.parametrize("heads,key_norm", [(1, True), (2, True), (1, False), (3, True)])
 @pytest.mark.parametrize("query_shape", ["static", "per_token"])
-def test_matches_plain_float64(heads, key_norm, query_shape):
+@pytest.mark.parametrize("backend", ["reference", "auto"])  # auto: what the dispatcher picks
+def test_matches_plain_float64(heads, key_norm, query_shape, backend):
     d = 12
     sources = torch.randn(5, 2, 3, d, dtype=torch.float64)
     query = torch.randn(d if query_shape == "static" else (2, 3, d), dtype=torch.float64)
-    got = depth_attention(query, sources, heads=heads, key_norm=key_norm)
+    got = depth_attention(query, sources, heads=heads, key_norm=key_norm, backend=backend)
     torch.testing.assert_close(got, plain(query, sources, heads=heads, key_norm=key_norm))
 
 

@@ -138,6 +138,21 @@ def test_two_phase_equals_plain(kw, idx):
     torch.testing.assert_close(model(idx, schedule="two_phase"), model(idx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2),
+                                dict(residual="block", block_size=3, heads=2)])
+def test_two_phase_gradients_equal_plain(kw, idx):
+    """Training through the two-phase schedule: every parameter's gradient as the plain schedule's."""
+    model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
+    grads = []
+    for schedule in ("plain", "two_phase"):
+        model.zero_grad()
+        model(idx, idx, schedule=schedule)[1].backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("quer" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("backend", ["compiled", "triton"])
 @pytest.mark.parametrize(
     "kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2, heads=4),
