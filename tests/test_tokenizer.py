@@ -144,15 +144,24 @@ def test_tokenized_corpus_feeds_training(tmp_path, saved):
     assert exported.encode(CODE[:100], add_special_tokens=False) == hook.encode(CODE[:100])
 
 
-def test_train_command_takes_tokenizer(tmp_path, saved):
-    """``attnres train --tokenizer PATH`` trains on BPE ids and records the tokenizer in the run."""
+def test_train_command_takes_tokenizer(tmp_path, saved, capsys):
+    """``attnres train --tokenizer PATH`` trains on BPE ids (the model's vocabulary size is the
+    tokenizer's unless given) and records the tokenizer in the run; ``attnres eval`` reads the
+    corpus with it, so its loss is the run's own validation loss."""
     text_file = tmp_path / "code.py"
     text_file.write_text(CODE)
     vocab = len(AutoTokenizer.from_pretrained(saved))
-    args = ["train", "--tokenizer", str(saved), "--data", str(text_file), "--vocab-size", str(vocab),
+    args = ["train", "--tokenizer", str(saved), "--data", str(text_file),
             "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--batch-size", "2",
             "--steps", "2", "--warmup", "1", "--eval-interval", "2", "--eval-batches", "1",
             "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--no-progress"]
     assert cli.main(args) == 0
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["train"]["tokenizer"] == str(saved) and record["data"]["tokenizer"] == tokenizer_id(saved)
+    assert record["model"]["vocab_size"] == vocab > 256
+    capsys.readouterr()
+    assert cli.main(["eval", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert result["tokenizer"] == tokenizer_id(saved) and "bits_per_byte" not in result
+    assert result["corpus_matches_run"] and result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)

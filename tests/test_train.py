@@ -183,3 +183,105 @@ def test_param_groups_and_schedules():
     assert wsd(50) == 1.0 and wsd(79) == 1.0 and wsd(80) < 1.0 and wsd(99) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="schedule"):
         LRSchedule("linear", steps=10)
+
+
+# --------------------------------------------------------------------------- the command line's input
+
+
+def test_config_file_flat_or_sections_and_its_errors(tmp_path, capsys):
+    from attention_residuals import cli
+    from attention_residuals.train import read_config
+
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"d_model": 48, "n_layer": 3, "steps": 7}))
+    cfg = config_from_args(["--config", str(flat), "--steps", "9"])
+    assert cfg.model.d_model == 48 and cfg.model.n_layer == 3 and cfg.steps == 9  # flags override the file
+    run_like = tmp_path / "run.json"
+    run_like.write_text(json.dumps({"format": 1, **make_config(d_model=40).to_dict(), "data": {}, "command": "x"}))
+    assert config_from_args(["--config", str(run_like)]).model.d_model == 40
+    cases = [
+        ("missing.json", None, "no such file"),
+        ("bad.json", "{not json", "not a JSON file"),
+        ("list.json", "[1, 2]", "expected a JSON object"),
+        ("unknown.json", '{"d_model": 32, "no_such_field": 1}', "no_such_field"),
+        ("section.json", '{"model": {"d_model": 32}, "extra": {}}', "extra"),
+        ("lr.json", '{"lr": "fast"}', "lr: expected a float"),
+        ("bool.json", '{"key_norm": "false"}', "key_norm: expected a bool"),
+        ("steps.json", '{"steps": 10.5}', "steps: expected an int"),
+    ]
+    for name, text, words in cases:
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        rc = cli.main(["train", "--config", str(path), "--out", str(tmp_path / "o"), "--no-progress"])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and "Traceback" not in err, (name, err)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="bad.json"):
+        read_config(tmp_path / "bad.json")
+
+
+def test_bad_device_names_the_argument():
+    from attention_residuals.train import resolve_device
+
+    with pytest.raises(ValueError, match="device: expected cpu, cuda, cuda:N or auto, got 'tpu'"):
+        resolve_device("tpu")
+
+
+def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
+    """A run trained on a relative --data path is evaluated and resumed from anywhere."""
+    from attention_residuals import cli
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "corpus.txt").write_text(TEXT)
+    monkeypatch.chdir(work)
+    cfg = tiny("run", steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache"))
+    train(cfg)
+    record = json.loads((work / "run" / "config.json").read_text())
+    assert record["train"]["data"] == str(work / "corpus.txt")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["eval", str(work / "run"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert json.loads(capsys.readouterr().out)["corpus_matches_run"] is True
+    done = train(tiny(work / "run", steps=6, eval_interval=3, data=str(work / "corpus.txt"), resume=True,
+                      cache_dir=str(tmp_path / "cache")))
+    assert done["done"]
+
+
+def test_eval_batch_arguments_are_checked(tmp_path, corpus, capsys):
+    from attention_residuals import cli
+
+    train(tiny(tmp_path / "r", steps=2, eval_interval=2), corpus=corpus)
+    for flag, value in (("--batches", "0"), ("--batches", "-3"), ("--batch-size", "0")):
+        assert cli.main(["eval", str(tmp_path / "r"), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag[2:].replace("-", "_") in err and "positive integer" in err
+
+
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, corpus, monkeypatch):
+    """The first Ctrl-C finishes the step, checkpoints and stops (exit 130 on the command line);
+    --resume then continues exactly as if the run had never stopped."""
+    import os
+    import signal
+
+    from attention_residuals import train as train_module
+
+    kw = dict(residual="block", n_blocks=2, steps=20, grad_accum=2)
+    train(tiny(tmp_path / "once", **kw), corpus=corpus)
+    real = train_module.get_batch
+
+    def interrupting(*args, step, **kwargs):
+        if step == 2 * 7 + 1:  # the second micro-batch of step 7 (0-based): mid-step
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, step=step, **kwargs)
+
+    monkeypatch.setattr(train_module, "get_batch", interrupting)
+    half = train(tiny(tmp_path / "twice", **kw), corpus=corpus)
+    assert half["interrupted"] and half["step"] == 8 and not half["done"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    monkeypatch.setattr(train_module, "get_batch", real)
+    assert read_checkpoint(tmp_path / "twice" / "checkpoint.safetensors")[1]["step"] == 8
+    again = train(tiny(tmp_path / "twice", resume=True, **kw), corpus=corpus)
+    assert again["done"] and not again["interrupted"]
+    a, b = read_metrics(tmp_path / "once"), read_metrics(tmp_path / "twice")
+    assert [(r["step"], r["train_loss"], r["val_loss"]) for r in a] == [(r["step"], r["train_loss"], r["val_loss"]) for r in b]

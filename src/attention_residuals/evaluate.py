@@ -2,13 +2,14 @@
 
 The corpus is the run's own (``config.json`` names it and records its sha256; a mismatch, e.g.
 another Python's standard library, is reported in the output and warned about) unless ``--data``
-points elsewhere. The loss is the mean cross-entropy over fixed validation windows — the same
+points elsewhere, read with the run's tokenizer (bytes, or the BPE it trained with). The loss is the mean cross-entropy over fixed validation windows — the same
 windows ``attnres train`` evaluates on, so the numbers agree with ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -16,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError, load_checkpoint
-from .data import BYTE_TOKENIZER, load_corpus
+from .data import BYTE_TOKENIZER
 from .model import GPT
-from .train import CHECKPOINT_FILE, CONFIG_FILE, TrainConfig, estimate_loss, resolve_device
+from .train import CHECKPOINT_FILE, CONFIG_FILE, TrainConfig, estimate_loss, load_corpus_for, resolve_device
 
 __all__ = ["evaluate_run", "load_run", "main"]
 
@@ -61,10 +62,14 @@ def evaluate_run(
     """Loss of a run's checkpoint on its validation (or training) split; a JSON-able dict."""
     if split not in ("val", "train"):
         raise ValueError(f"split: expected 'val' or 'train', got {split!r}")
+    for name, value in (("batches", batches), ("batch_size", batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     model, cfg, info = load_run(run_dir, checkpoint=checkpoint, device=device)
     recorded = info["record"].get("data", {})
     source = data if data is not None else cfg.data
-    corpus = load_corpus(source, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction, cache_dir=cache_dir)
+    # the run's tokenizer (bytes, or its BPE) on the run's corpus or on --data
+    corpus = load_corpus_for(dataclasses.replace(cfg, data=source, cache_dir=cache_dir))
     corpus.check_fits(cfg.model.seq_len)
     matches = corpus.sha256 == recorded.get("sha256")
     if not matches and data is None:
@@ -92,10 +97,12 @@ def evaluate_run(
         "batches": n,
         "batch_size": bs,
         "seq_len": cfg.model.seq_len,
-        "tokens": n * bs * cfg.model.seq_len,
+        "tokens": n * bs * cfg.model.seq_len,  # windows drawn at random: they may overlap
+        "split_tokens": len(corpus.val if split == "val" else corpus.train),
         "corpus": corpus.source,
         "corpus_sha256": corpus.sha256,
         "corpus_matches_run": matches,
+        "tokenizer": corpus.tokenizer,
     }
     if corpus.tokenizer == BYTE_TOKENIZER:
         out["bits_per_byte"] = out["bits_per_token"]

@@ -188,7 +188,8 @@ def load_tokenized_corpus(
     vocab = hook.vocab_size if vocab_size is None else vocab_size
     if vocab < hook.vocab_size:
         raise ValueError(
-            f"--vocab-size {vocab} is smaller than the vocabulary of --tokenizer {str(tokenizer)!r} ({hook.vocab_size})"
+            f"--vocab-size {vocab} is smaller than the vocabulary of --tokenizer {str(tokenizer)!r} "
+            f"({hook.vocab_size}): leave --vocab-size out to take the tokenizer's, or give at least that"
         )
     corpus = d.load_corpus(
         data, encode=hook.encode, vocab_size=vocab, tokenizer_id=hook.tokenizer_id,
@@ -254,7 +255,8 @@ def _train_command(args: argparse.Namespace) -> int:
     sample = texts[0][:2000] if texts else ""
     n = len(tok.encode(sample, add_special_tokens=False)) if sample else 0
     ratio = f", {len(sample.encode()) / n:.2f} bytes/token on a sample" if n else ""
-    print(f"wrote {out} (vocab {len(tok)}{ratio}); use it with: attnres train --tokenizer {out}")
+    print(f"wrote {out} (vocab {len(tok)}{ratio}); use it with: attnres train --tokenizer {out}"
+          f" (the model takes its vocabulary size, {len(tok)})")
     return 0
 
 

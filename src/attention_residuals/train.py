@@ -27,7 +27,9 @@ import math
 import os
 import random
 import shlex
+import signal
 import sys
+import threading
 import time
 import types
 import typing
@@ -53,10 +55,13 @@ __all__ = [
     "command_line",
     "config_diff",
     "estimate_loss",
+    "check_field_types",
     "is_done",
+    "load_corpus_for",
     "load_summary",
     "main",
     "make_config",
+    "read_config",
     "read_metrics",
     "resolve_device",
     "train",
@@ -175,6 +180,8 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the field."""
+        check_field_types(self.model)
+        check_field_types(self)
         self.model.validate()
         for name in ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
             v = getattr(self, name)
@@ -200,6 +207,32 @@ class TrainConfig:
         return self
 
 
+def check_field_types(config: Any) -> None:
+    """Every field of the dataclass ``config`` holds a value of its annotated type (an int passes
+    for a float): a JSON ``"key_norm": "false"`` or ``"lr": "fast"`` fails here, naming the field,
+    instead of being taken as true or failing deep inside."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        tp, value = hints[f.name], getattr(config, f.name)
+        args = typing.get_args(tp)
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
+        if optional:
+            if value is None:
+                continue
+            inner = [a for a in args if a is not type(None)]
+            tp = inner[0] if len(inner) == 1 else Any
+        ok = {
+            bool: lambda v: isinstance(v, bool),
+            int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            str: lambda v: isinstance(v, str),
+        }.get(tp)
+        if ok is not None and not ok(value):
+            article = "an" if tp.__name__[0] in "aeiou" else "a"
+            raise ValueError(f"{f.name}: expected {article} {tp.__name__}{' or None' if optional else ''}, "
+                             f"got {value!r}")
+
+
 def make_config(**overrides: Any) -> TrainConfig:
     """``TrainConfig`` from flat keywords: model fields (``residual=``, ``d_model=``...) go to
     ``cfg.model``, the others to the training config. ``make_config(residual="block", n_blocks=4,
@@ -213,7 +246,10 @@ def make_config(**overrides: Any) -> TrainConfig:
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {name!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
     return dev
@@ -360,7 +396,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     :class:`RunError` for an occupied run directory, :class:`ConfigMismatchError` when resuming
     with another config, and ``CheckpointError`` when no good checkpoint is left.
     """
-    cfg.validate()
+    cfg = _absolute_paths(cfg.validate())
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
         return _train(cfg, corpus, env)
@@ -368,7 +404,41 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         _dp.teardown()
 
 
-def _load_corpus(cfg: TrainConfig) -> Corpus:
+def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``data`` and ``tokenizer`` as absolute paths: the run directory records them, and ``eval`` or
+    ``--resume`` may read it from another working directory."""
+    paths = {k: os.path.abspath(os.path.expanduser(v)) for k in ("data", "tokenizer") if (v := getattr(cfg, k))}
+    return dataclasses.replace(cfg, **paths)
+
+
+class _StopRequest:
+    """Ctrl-C during training: the first finishes the step, checkpoints and stops (resumable with
+    ``--resume``, exactly); a second aborts at once. Only in the main thread of a single process
+    (under torchrun the launcher owns the signal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _StopRequest:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        _log("\ninterrupted: stopping after this step with a checkpoint (Ctrl-C again to abort)")
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def load_corpus_for(cfg: TrainConfig) -> Corpus:
+    """The corpus a run trains on: ``cfg.data`` in bytes, or through ``cfg.tokenizer``."""
     if cfg.tokenizer is None:
         return load_corpus(cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction,
                            cache_dir=cfg.cache_dir)
@@ -384,7 +454,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
     device = _dp.device_for(env, resolve_device(cfg.device))
     main = env.is_main  # only rank 0 writes the run directory
     if corpus is None:  # rank 0 first: it fills the token cache the other ranks then read
-        corpus = _dp.main_first(env, lambda: _load_corpus(cfg))
+        corpus = _dp.main_first(env, lambda: load_corpus_for(cfg))
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}")
     corpus.check_fits(cfg.model.seq_len)
@@ -499,67 +569,76 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
 
     end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
     ckpt_every = cfg.ckpt_interval or cfg.eval_interval
-    try:
-        if start == 0 and not resuming:
-            last_val = best_val = evaluate()
-            write_row({"step": 0, "train_loss": None, "val_loss": last_val, "lr": scheduler.get_last_lr()[0],
-                       "tokens": 0, "tokens_per_s": None, "wall_s": round(wall(), 3)})
-        bar = _progress(cfg, start, end, out) if main else None
-        model.train()
-        for step in range(start, end):
-            lr = scheduler.get_last_lr()[0]
-            t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(A):
-                x, y = get_batch(corpus.train, B, T, seed=cfg.seed, step=step * A + micro, rank=rank,
-                                 world_size=world_size, device=device)
-                with _dp.sync_context(net, micro == A - 1):  # DDP: all-reduce on the last one only
-                    with _autocast(device, cfg.dtype):
-                        _, loss = net(x, y)
-                    (loss / A).backward()
-                loss_sum += loss.detach()
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            last_train = float(_dp.mean(loss_sum, env)) / A
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            done = step + 1
-            train_s += dt
-            window_s += dt
-            tokens += tokens_per_step
-            window_tokens += tokens_per_step
-            if not math.isfinite(last_train):
-                raise RunError(f"{out}: the training loss became {last_train} at step {done}; lower --lr?")
-            val = None
-            if done % cfg.eval_interval == 0 or done == cfg.steps:
-                val = last_val = evaluate()
-                best_val = val if best_val is None else min(best_val, val)
-            if done % cfg.log_interval == 0 or val is not None or done == cfg.steps:
-                tps = window_tokens / window_s if window_s > 0 else None
-                write_row({"step": done, "train_loss": last_train, "val_loss": val, "lr": lr, "tokens": tokens,
-                           "tokens_per_s": None if tps is None else round(tps, 1), "wall_s": round(wall(), 3),
-                           "grad_norm": float(grad_norm)})
-                window_tokens, window_s = 0, 0.0
-            if done % ckpt_every == 0 or done == end:
-                checkpoint(done)
+    stopped = None  # the step a Ctrl-C stopped the run at
+    with _StopRequest(world_size == 1) as stop:
+        try:
+            if start == 0 and not resuming:
+                last_val = best_val = evaluate()
+                write_row({"step": 0, "train_loss": None, "val_loss": last_val, "lr": scheduler.get_last_lr()[0],
+                           "tokens": 0, "tokens_per_s": None, "wall_s": round(wall(), 3)})
+            bar = _progress(cfg, start, end, out) if main else None
+            model.train()
+            for step in range(start, end):
+                lr = scheduler.get_last_lr()[0]
+                t0 = time.perf_counter()
+                loss_sum = torch.zeros((), device=device)
+                for micro in range(A):
+                    x, y = get_batch(corpus.train, B, T, seed=cfg.seed, step=step * A + micro, rank=rank,
+                                     world_size=world_size, device=device)
+                    with _dp.sync_context(net, micro == A - 1):  # DDP: all-reduce on the last one only
+                        with _autocast(device, cfg.dtype):
+                            _, loss = net(x, y)
+                        (loss / A).backward()
+                    loss_sum += loss.detach()
+                grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                last_train = float(_dp.mean(loss_sum, env)) / A
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                done = step + 1
+                train_s += dt
+                window_s += dt
+                tokens += tokens_per_step
+                window_tokens += tokens_per_step
+                if not math.isfinite(last_train):
+                    raise RunError(f"{out}: the training loss became {last_train} at step {done}; lower --lr?")
+                val = None
+                if done % cfg.eval_interval == 0 or done == cfg.steps:
+                    val = last_val = evaluate()
+                    best_val = val if best_val is None else min(best_val, val)
+                if done % cfg.log_interval == 0 or val is not None or done == cfg.steps:
+                    tps = window_tokens / window_s if window_s > 0 else None
+                    write_row({"step": done, "train_loss": last_train, "val_loss": val, "lr": lr, "tokens": tokens,
+                               "tokens_per_s": None if tps is None else round(tps, 1), "wall_s": round(wall(), 3),
+                               "grad_norm": float(grad_norm)})
+                    window_tokens, window_s = 0, 0.0
+                if done % ckpt_every == 0 or done == end:
+                    checkpoint(done)
+                if bar is not None:
+                    post = {"loss": f"{last_train:.4f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
+                    if last_val is not None:
+                        post["val"] = f"{last_val:.4f}"
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                if stop.requested:
+                    if not (done % ckpt_every == 0 or done == end):
+                        checkpoint(done)
+                    stopped = done
+                    _log(f"{out}: stopped at step {done}/{cfg.steps}; continue with --resume")
+                    break
             if bar is not None:
-                post = {"loss": f"{last_train:.4f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
-                if last_val is not None:
-                    post["val"] = f"{last_val:.4f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
-        if bar is not None:
-            bar.close()
-    finally:
-        if main:
-            metrics_f.close()
+                bar.close()
+        finally:
+            if main:
+                metrics_f.close()
 
-    final_step = max(start, end)
+    final_step = max(start, end) if stopped is None else stopped
     summary = {
         "done": final_step >= cfg.steps,
+        "interrupted": stopped is not None,
         "step": final_step,
         "steps": cfg.steps,
         "run_dir": str(out),
@@ -703,30 +782,61 @@ def build_parser(prog: str = "attnres train") -> argparse.ArgumentParser:
     return p
 
 
+def read_config(path: str | os.PathLike) -> tuple[TrainConfig, set[str]]:
+    """A config file: a run's ``config.json`` (sections ``model``, ``train``, ``run``) or one flat
+    object of fields (``{"d_model": 64, "steps": 500}``). Returns it and the model fields it sets;
+    ``ValueError`` / ``FileNotFoundError`` name the file and what is wrong."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--config {str(path)!r}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {str(path)!r}: not a JSON file ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--config {str(path)!r}: expected a JSON object, got a {type(d).__name__}")
+    sections = {"model", "train", "run"}
+    try:
+        if sections & set(d):
+            other = set(d) - sections - {"format", "data", "command"}  # the rest of a run's config.json
+            if other:
+                raise ValueError(f"unknown sections {sorted(other)} beside {sorted(sections & set(d))}")
+            return TrainConfig.from_dict(d), set(d.get("model", {}))
+        return TrainConfig().replace(**d), set(d) & {f.name for f in fields(GPTConfig)}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--config {str(path)!r}: {e}") from None
+
+
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parse ``attnres train`` arguments into a :class:`TrainConfig` (argparse errors exit 2)."""
+    """Parse ``attnres train`` arguments into a :class:`TrainConfig` (argparse errors exit 2).
+
+    With ``--tokenizer`` and no vocabulary size given, the model's is the tokenizer's."""
     ns = vars(build_parser().parse_args(argv))
-    base = TrainConfig()
+    base, given = TrainConfig(), set(ns)
     path = ns.pop("config", None)
     if path:
-        d = json.loads(Path(path).read_text())
-        base = TrainConfig.from_dict({"model": d.get("model", {}), "train": d.get("train", {})})
-    return base.replace(**ns)
+        base, in_file = read_config(path)
+        given |= in_file
+    cfg = base.replace(**ns)
+    if cfg.tokenizer is not None and "vocab_size" not in given:
+        from .tokenizer import load_tokenizer
+
+        cfg = cfg.replace(vocab_size=len(load_tokenizer(cfg.tokenizer)))
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 (trained), 2 (bad input: the message names it), 130 (stopped by Ctrl-C, resumable)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = config_from_args(argv)
     try:
-        summary = train(cfg)
+        summary = train(config_from_args(argv))
     except (ValueError, FileNotFoundError, RunError, CheckpointError) as e:
         print(f"attnres train: error: {e}", file=sys.stderr)
         return 2
     if not _dp.is_main():
         return 0
-    print(json.dumps({k: summary[k] for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
-                                              "params", "tokens_per_s", "wall_s")}))
-    return 0
+    print(json.dumps({k: summary.get(k) for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
+                                                  "params", "tokens_per_s", "wall_s")}))
+    return 130 if summary.get("interrupted") else 0
 
 
 if __name__ == "__main__":
