@@ -124,3 +124,68 @@ def test_demo_tiny_writes_report_and_skips_finished(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["demo", "--tiny", "--out", str(out), "--report", str(report), "--no-progress"]) == 0
     assert ck.stat().st_mtime_ns == before and "already finished" in capsys.readouterr().err
+
+
+def test_top_level_help_lists_the_subcommand_tables(capsys):
+    """`attnres --help` lists the experiments and benchmarks from their own tables (shape included)."""
+    from attention_residuals import bench, experiments
+
+    assert cli.main(["--help"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert ", ".join(experiments.SUBCOMMANDS) in lines["experiment"] and "shape" in lines["experiment"]
+    assert ", ".join(bench.SUBCOMMANDS) in lines["bench"]
+    # a help given as a function is made when shown; a missing table falls back instead of failing
+    assert cli.usage_text("p", {"x": ("m", cli.listing("attention_residuals", "NO_SUCH_TABLE", "things ({})"))}) \
+        .splitlines()[3] == "  x  things (...)"
+
+
+def test_sample_top_k_message_matches_help(run_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sample", "--help"])
+    assert e.value.code == 0 and "0 = all tokens" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sample", str(run_dir), "--top-k", "-3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--top-k: expected >= 0 (0 = all tokens), got -3" in err
+    assert cli.main(["sample", str(run_dir), "--top-k", "0", "--max-new-tokens", "5", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1
+    with pytest.raises(SystemExit):
+        cli.main(["sample", str(run_dir), "--num-samples", "0"])
+    assert "--num-samples: expected >= 1, got 0" in capsys.readouterr().err
+    # a tokenizer folder for a byte-level run is refused with what to do
+    assert cli.main(["sample", str(run_dir), "--tokenizer", str(run_dir)]) == 2
+    assert "trained on bytes" in capsys.readouterr().err
+
+
+def test_sample_decodes_a_bpe_run_with_its_tokenizer(tmp_path, text_file, capsys):
+    """A run of `attnres train --tokenizer DIR` samples through that tokenizer; a moved folder or a
+    different tokenizer is refused with what to do, and --tokenizer points to the moved one."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    from attention_residuals.tokenizer import load_encoder, train_bpe
+
+    tok_dir, other_dir = tmp_path / "tok", tmp_path / "other"
+    train_bpe([text_file.read_text()], vocab_size=300, min_frequency=2).save_pretrained(tok_dir)
+    train_bpe([text_file.read_text()[:2000] + "xyz" * 50], vocab_size=290, min_frequency=2).save_pretrained(other_dir)
+    hook = load_encoder(tok_dir)
+    run = tmp_path / "run"
+    args = ["train", *TINY, "--tokenizer", str(tok_dir), "--vocab-size", str(hook.vocab_size), "--data",
+            str(text_file), "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    sample = ["sample", str(run), "--prompt", "print('hello", "--max-new-tokens", "12", "--seed", "3", "--json"]
+    assert cli.main(sample) == 0
+    (text,) = json.loads(capsys.readouterr().out)
+    assert text.startswith("print('hello") and len(text) > len("print('hello")
+    # the same ids through bytes would be a different string: the BPE tokenizer did the decoding
+    ids = hook.encode(text)
+    assert hook.decode(ids) == text and len(ids) < len(text.encode())
+    moved = tmp_path / "moved"
+    tok_dir.rename(moved)
+    assert cli.main(sample) == 2
+    err = capsys.readouterr().err
+    assert str(tok_dir) in err and "--tokenizer DIR" in err
+    assert cli.main([*sample, "--tokenizer", str(moved)]) == 0
+    assert json.loads(capsys.readouterr().out) == [text]
+    assert cli.main([*sample, "--tokenizer", str(other_dir)]) == 2
+    assert "not the 'bpe-" in capsys.readouterr().err

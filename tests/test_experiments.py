@@ -95,3 +95,72 @@ def test_identical_runs_are_shared_between_experiments():
     shared = abl & bs
     assert any("prenorm" in k for k in shared) and any("block_size-4" in k for k in shared)
     assert len(abl) == len(ex.specs("ablation", quick))  # distinct runs get distinct directories
+
+
+@pytest.fixture
+def fake_training(monkeypatch, tmp_path):
+    """Every run counts as finished (no training): run_experiment only tabulates, in seconds. Works
+    from ``tmp_path`` so the default roots land there."""
+    from attention_residuals import train
+
+    monkeypatch.setattr(train, "load_summary", lambda run_dir: {
+        "done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0})
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_default_root_is_scratch_for_quick_and_results_for_full(fake_training, capsys):
+    """`attnres experiment blocksize` (quick) leaves results/ alone; `--budget full` writes there with
+    the command the committed README quotes."""
+    tmp = fake_training
+    assert ex.DEFAULT_ROOTS == {"quick": "runs/experiments", "full": "results"}
+    assert ex.main(["blocksize", "--budget", "full"]) == 0
+    full = json.loads((tmp / "results" / "blocksize" / "results.json").read_text())
+    assert full["meta"]["command"] == "attnres experiment blocksize --budget full --root results"
+    before = (tmp / "results" / "blocksize" / "results.json").read_text()
+    assert ex.main(["blocksize"]) == 0
+    quick = json.loads((tmp / "runs" / "experiments" / "blocksize" / "results.json").read_text())
+    assert quick["meta"]["budget"] == "quick"
+    assert quick["meta"]["command"] == "attnres experiment blocksize --budget quick --root runs/experiments"
+    assert (tmp / "results" / "blocksize" / "results.json").read_text() == before
+    assert not any((tmp / "results" / "runs").glob("quick*"))
+    assert "experiment report --root runs/experiments" in capsys.readouterr().err
+    # report: results/ by default, the budget's root when --budget is given
+    assert ex.main(["report"]) == 0
+    assert "budget `full`" in (tmp / "results" / "README.md").read_text()
+    assert ex.main(["report", "--budget", "quick"]) == 0
+    assert "budget `quick`" in (tmp / "runs" / "experiments" / "README.md").read_text()
+    assert ex.main(["report", "--root", str(tmp / "nowhere")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_smaller_budget_does_not_replace_bigger_results(fake_training, capsys):
+    tmp = fake_training
+    assert ex.main(["blocksize", "--budget", "full"]) == 0
+    path = tmp / "results" / "blocksize" / "results.json"
+    before = path.read_text()
+    assert ex.main(["blocksize", "--budget", "quick", "--root", "results"]) == 2
+    err = capsys.readouterr().err
+    assert "'full' budget" in err and "--force" in err and "runs/experiments" in err
+    assert path.read_text() == before and not any((tmp / "results" / "runs").glob("quick*"))
+    with pytest.raises(ex.BudgetClash):
+        ex.run_experiment("blocksize", "quick", "results", shard=(0, 2))  # shards are refused too
+    ex.check_budget(tmp / "results" / "blocksize", "full")  # same budget: fine
+    ex.check_budget(tmp / "results" / "nothing-here", "quick")  # nothing to protect
+    assert ex.main(["blocksize", "--budget", "quick", "--root", "results", "--force"]) == 0
+    assert json.loads(path.read_text())["meta"]["budget"] == "quick"
+    ex.check_budget(tmp / "results" / "blocksize", "full")  # a bigger budget may replace a smaller one
+
+
+def test_experiment_help_shows_defaults_and_every_experiment(capsys):
+    with pytest.raises(SystemExit) as e:
+        ex.main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: quick)" in text and "quick: runs/experiments, full: results" in text
+    assert "--force" in text
+    listed = {line.split()[0] for line in ex.build_parser().format_help().splitlines() if line.startswith("  ")}
+    assert set(ex.SUBCOMMANDS) <= listed  # the epilog lists each experiment with its line
+    assert set(ex.EXPERIMENTS) | {"report"} == set(ex.SUBCOMMANDS)
+    assert "Floor" not in text

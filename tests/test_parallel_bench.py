@@ -45,3 +45,59 @@ def test_prefill_rows_and_cli(tmp_path, monkeypatch):
     assert bench_dist.main(["--quick", "--out", str(dest)]) == 0
     data = json.loads(dest.read_text())
     assert data["bench"] == "dist" and data["pipeline"][0]["P"] == 2 and data["prefill"] == {"stub": True}
+
+
+def _stub_dist(monkeypatch):
+    monkeypatch.setattr(bench_dist, "bench_pipeline", lambda cases: [{"stub": list(cases)}])
+    monkeypatch.setattr(bench_dist, "bench_prefill", lambda *a, **k: {"stub": True})
+
+
+def test_smoke_and_partial_runs_leave_the_committed_json_alone(tmp_path, monkeypatch, capsys):
+    """`attnres bench dist --quick` (or --skip-*) writes no file unless --out says so; a complete run
+    writes results/bench/dist.json as before, and the JSON says which command made it."""
+    _stub_dist(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    committed = tmp_path / bench_dist.DEFAULT_OUT
+    for argv in (["--quick"], ["--skip-pipeline"], ["--skip-prefill"], ["--quick", "--out", "-"]):
+        assert bench_dist.main(argv) == 0
+        assert not committed.exists(), argv
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["bench"] == "dist"
+        assert ("pass --out FILE" in captured.err) == ("--out" not in argv)
+    assert bench_dist.main(["--quick", "--out", "smoke.json"]) == 0
+    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    assert smoke["quick"] is True and smoke["command"] == "attnres bench dist --quick --out smoke.json"
+    assert bench_dist.main([]) == 0
+    full = json.loads(committed.read_text())
+    assert full["command"] == "attnres bench dist" and "quick" not in full
+    assert full["pipeline"] == [{"stub": [list(c) for c in bench_dist.PIPE_CASES]}]
+
+
+def test_dist_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        bench_dist.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default: {bench_dist.DEFAULT_OUT} for a complete run" in text and "--quick" in text
+    assert "``" not in text
+
+
+def test_bench_page_says_where_targets_come_from(tmp_path):
+    """The generated page names its targets in user terms (no internal issue numbers), and a partial
+    dist JSON (a --skip-* run written with --out) renders instead of failing."""
+    from pathlib import Path
+
+    from attention_residuals.bench_report import write_report
+
+    committed = Path(__file__).resolve().parents[1] / "results" / "bench"
+    for name in ("op_cpu_float32.json", "model_cpu.json", "dist.json"):
+        (tmp_path / name).write_text((committed / name).read_text())
+    partial = json.loads((committed / "dist.json").read_text())
+    del partial["pipeline"]
+    (tmp_path / "dist_partial.json").write_text(json.dumps({**partial, "quick": True}))
+    page = write_report(tmp_path).read_text()
+    assert "issue" not in page.lower()
+    assert "Targets, as fractions of the roofline: forward ≥ 0.8, forward+backward ≥ 0.5." in page
+    assert "Targets, from the overheads the AttnRes report gives for Block AttnRes" in page
+    assert "training ≤ 1.04, prefill ≤ 1.02" in page
+    assert "a --quick smoke run; not run: pipeline." in page
+    assert page.count("Pipeline: bytes sent per step") == 1  # the complete dist.json only

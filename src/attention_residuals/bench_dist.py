@@ -1,6 +1,8 @@
 """``attnres bench dist``: pipeline block traffic and prefill block-state memory, measured.
 
-Two sections, JSON to stdout and ``results/bench/dist.json``:
+Two sections, JSON to stdout and, for a complete run, ``results/bench/dist.json`` (a ``--quick``
+smoke run or a run with ``--skip-*`` writes no file unless ``--out`` names one, so it cannot
+replace the committed figures):
 
 ``pipeline``  for several (P stages, V virtual stages, block size S) a Block AttnRes model runs
               one training step on P gloo processes in each scheme (naive, cached, cached_all).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -201,18 +204,35 @@ def bench_prefill(seq_len: int = 8192, tps=(1, 2, 4, 8), chunk_div: int = 8) -> 
     )
 
 
+def default_out(args: argparse.Namespace) -> str:
+    """Where the JSON goes without ``--out``: the committed file for a complete run, nowhere ('-') for
+    a smoke run (``--quick``) or a partial one (``--skip-*``), which would replace it with less."""
+    return "-" if args.quick or args.skip_pipeline or args.skip_prefill else DEFAULT_OUT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attnres bench dist", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p.add_argument("--out", default=None,
+                   help=f"JSON file to write; '-' for none (default: {DEFAULT_OUT} for a complete run; none "
+                        "with --quick or --skip-*, whose JSON goes to stdout only)")
+    p.add_argument("--seq-len", type=int, default=8192, help="prefill tokens T (default: 8192)")
+    p.add_argument("--quick", action="store_true",
+                   help="two pipeline cases, T = 512, tp in (1, 2): a smoke run, not written to a file by default")
+    p.add_argument("--skip-pipeline", action="store_true", help="leave out the pipeline section")
+    p.add_argument("--skip-prefill", action="store_true", help="leave out the prefill section")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnres bench dist", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON file to write (default {DEFAULT_OUT}); '-' for none")
-    p.add_argument("--seq-len", type=int, default=8192, help="prefill tokens T (default 8192)")
-    p.add_argument("--quick", action="store_true", help="two pipeline cases, T = 512, tp in (1, 2): a smoke run")
-    p.add_argument("--skip-pipeline", action="store_true")
-    p.add_argument("--skip-prefill", action="store_true")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    out_path = default_out(args) if args.out is None else args.out
     torch.set_num_threads(1)  # every rank is one process on one core
     t0 = time.perf_counter()
-    result: dict = dict(bench="dist", torch=torch.__version__, python=platform.python_version(),
-                        backend="gloo", device="cpu")
+    result: dict = dict(bench="dist", command=" ".join(["attnres bench dist", *map(shlex.quote, argv)]),
+                        torch=torch.__version__, python=platform.python_version(), backend="gloo", device="cpu")
+    if args.quick:
+        result["quick"] = True
     if not args.skip_pipeline:
         result["pipeline"] = bench_pipeline(PIPE_QUICK if args.quick else PIPE_CASES)
     if not args.skip_prefill:
@@ -221,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out != "-":
-        out = Path(args.out)
+    if out_path != "-":
+        out = Path(out_path)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
         print(f"wrote {out}", file=sys.stderr)
+    elif args.out is None:
+        print(f"not written to a file (a {'smoke' if args.quick else 'partial'} run leaves {DEFAULT_OUT} as it "
+              "is); pass --out FILE to keep it", file=sys.stderr)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Floor 6: the report's section-5 experiments at small scale, one command each.
 
-``attnres experiment scaling|ablation|blocksize|analysis|shape|report [--budget quick|full]``
+``attnres experiment <name> [--budget quick|full]`` (the names: :data:`SUBCOMMANDS`)
 
 Every experiment is a list of runs; each run is an ordinary training run directory under
 ``<root>/runs/<key>`` (the key spells out its config and seed, so experiments that need the same
@@ -8,6 +8,10 @@ run share it: the ablation's baseline is the block-size sweep's baseline) that r
 interrupted and is skipped once finished, so a sweep can span several sessions and several
 processes (``--shard i/n``). Each experiment writes ``results.json``, ``table.md`` and its
 plots beside the runs; ``report`` gathers them into ``<root>/README.md``.
+
+The root defaults by budget (:data:`DEFAULT_ROOTS`): a ``quick`` run (a pipeline check) goes to
+``runs/experiments``, a ``full`` run to ``results`` (the committed tables). An experiment never
+replaces results made with a bigger budget unless ``--force``.
 
 Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 6 N + 12 n_layer d T``
 (N non-embedding parameters, T the context), in PFLOP/s-days (8.64e19 FLOPs) as in the report.
@@ -29,10 +33,25 @@ import numpy as np
 
 from .report import new_figure
 
-__all__ = ["RunSpec", "BUDGETS", "specs", "run_experiment", "fit_power_law", "compute_advantage", "main"]
+__all__ = ["RunSpec", "BUDGETS", "DEFAULT_ROOTS", "EXPERIMENTS", "SUBCOMMANDS", "specs", "run_experiment",
+           "fit_power_law", "compute_advantage", "write_report", "main"]
 
 PFLOPS_DAY = 8.64e19
-EXPERIMENTS = ("scaling", "ablation", "blocksize", "analysis", "shape")
+
+# The sub-commands of `attnres experiment`, name -> one line. `attnres --help` and
+# `attnres experiment --help` list them from here; add an experiment by adding a line (and its specs).
+SUBCOMMANDS: dict[str, str] = {
+    "scaling": "loss vs compute over several model sizes (PreNorm, Full, Block AttnRes, mHC), power-law fits",
+    "ablation": "the report's ablation rows (and two of ours) on one model, against the PreNorm baseline",
+    "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
+    "analysis": "hidden-state magnitudes, gradient norms and depth weights of three trained models",
+    "shape": "width vs depth (d_model / n_layer) at about fixed parameters, PreNorm and Block AttnRes",
+    "report": "gather the finished experiments under --root into <root>/README.md",
+}
+EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
+# where an experiment writes when no --root is given: quick runs are scratch, full runs the committed results
+DEFAULT_ROOTS = {"quick": "runs/experiments", "full": "results"}
+REPORT_ROOT = "results"  # `attnres experiment report` without --root (and without --budget)
 
 # Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
 REPORT_ABLATION = {
@@ -177,21 +196,50 @@ def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
                           "progress": False})
 
 
-def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path = "results",
-                   only: list[str] | None = None, shard: tuple[int, int] | None = None) -> dict | None:
+class BudgetClash(ValueError):
+    """An experiment would replace results that were made with a bigger budget."""
+
+
+def check_budget(exp_dir: str | Path, budget_name: str) -> None:
+    """Raise :class:`BudgetClash` when ``exp_dir/results.json`` was made with a bigger budget than
+    ``budget_name`` (the order of :data:`BUDGETS`), so a quick check cannot replace real results."""
+    path = Path(exp_dir) / "results.json"
+    try:
+        old = json.loads(path.read_text())["meta"]["budget"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing there (or nothing readable): nothing to protect
+    order = list(BUDGETS)
+    if old in order and order.index(old) > order.index(budget_name):
+        raise BudgetClash(f"{path} holds results of the {old!r} budget; a {budget_name!r} run would replace "
+                          f"them. Use another --root (the default for {budget_name!r} is "
+                          f"{DEFAULT_ROOTS.get(budget_name, 'runs/experiments')}), --budget {old}, or --force")
+
+
+def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path | None = None,
+                   only: list[str] | None = None, shard: tuple[int, int] | None = None,
+                   force: bool = False) -> dict | None:
     """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot.
 
-    ``shard=(i, n)`` trains only every n-th run starting at i (for n parallel processes) and
-    skips the tables; a final call without ``shard`` finds every run done and tabulates."""
+    ``root`` defaults to ``DEFAULT_ROOTS[budget_name]`` (quick: ``runs/experiments``, full:
+    ``results``). Results of a bigger budget already in ``<root>/<experiment>`` are not replaced
+    (:class:`BudgetClash`) unless ``force``. ``shard=(i, n)`` trains only every n-th run starting
+    at i (for n parallel processes) and skips the tables; a final call without ``shard`` finds
+    every run done and tabulates."""
+    if budget_name not in BUDGETS:
+        raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    root = DEFAULT_ROOTS[budget_name] if root is None else root
+    budget = BUDGETS[budget_name]
+    exp_dir = Path(root) / experiment
+    if not force:
+        check_budget(exp_dir, budget_name)
+
     from tqdm.auto import tqdm
 
     from .data import load_corpus
     from .train import load_summary, train
 
-    if budget_name not in BUDGETS:
-        raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
-    budget = BUDGETS[budget_name]
-    exp_dir = Path(root) / experiment
     todo = [s for s in specs(experiment, budget) if not only or s.variant in only or s.name in only]
     train_list = todo if shard is None else todo[shard[0]::shard[1]]
     corpus = load_corpus(None, vocab_size=256)
@@ -464,6 +512,8 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
 def write_report(root: str | Path = "results") -> Path:
     """Gather every finished experiment's table and plots into ``<root>/README.md``."""
     root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--root: no such directory: {root} (run an experiment into it first)")
     parts = ["# Results", "",
              "Generated by `attnres experiment report` from the experiments' `results.json`; nothing here is edited "
              "by hand. Each section names the command that produced it.", ""]
@@ -484,15 +534,37 @@ def write_report(root: str | Path = "results") -> Path:
     return path
 
 
+def build_parser() -> argparse.ArgumentParser:
+    width = max(map(len, SUBCOMMANDS)) + 2
+    roots = ", ".join(f"{b}: {r}" for b, r in DEFAULT_ROOTS.items())
+    epilog = "\n".join(
+        ["experiments:"] + [f"  {name:<{width}}{help_}" for name, help_ in SUBCOMMANDS.items()]
+        + ["", "examples:",
+           "  attnres experiment blocksize                  # quick pipeline check, into runs/experiments",
+           "  attnres experiment blocksize --budget full    # the committed tables, into results",
+           "  attnres experiment report                     # results/README.md from results/*/results.json"]
+    )
+    p = argparse.ArgumentParser(prog="attnres experiment",
+                                description="The experiments of the AttnRes report (its section 5) at small scale, "
+                                            "one command each: resumable training runs, then tables and plots.",
+                                epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", choices=tuple(SUBCOMMANDS), help="which experiment to run (or `report`)")
+    p.add_argument("--budget", default=None, choices=tuple(BUDGETS),
+                   help="size preset; quick: a pipeline check in seconds, full: hours (default: quick)")
+    p.add_argument("--root", default=None,
+                   help=f"where runs, tables and plots go (default by budget: {roots}; for `report`: "
+                        f"{REPORT_ROOT}, or the budget's root when --budget is given)")
+    p.add_argument("--force", action="store_true",
+                   help="replace results made with a bigger budget (default: refuse)")
+    p.add_argument("--only", nargs="*", help="restrict to these variants or run names (default: all)")
+    p.add_argument("--shard", help="I/N: train only every N-th run from the I-th (N processes in parallel); "
+                                   "no tables (default: all runs, then the tables)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of this process (default: torch's)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="attnres experiment", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("experiment", choices=EXPERIMENTS + ("report",), help="which experiment to run (or gather the report)")
-    p.add_argument("--budget", default="quick", choices=tuple(BUDGETS), help="size preset (quick: a pipeline check)")
-    p.add_argument("--root", default="results", help="where runs, tables and plots go")
-    p.add_argument("--only", nargs="*", help="restrict to these variants or run names")
-    p.add_argument("--shard", help="I/N: train only every N-th run from the I-th (N processes in parallel); no tables")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
+    p = build_parser()
     args = p.parse_args(argv)
     shard = None
     if args.shard:
@@ -507,10 +579,24 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     if args.experiment == "report":
-        print(write_report(args.root))
+        root = args.root or (DEFAULT_ROOTS[args.budget] if args.budget else REPORT_ROOT)
+        try:
+            print(write_report(root))
+        except FileNotFoundError as exc:
+            print(f"attnres experiment report: error: {exc}", file=sys.stderr)
+            return 2
         return 0
-    if run_experiment(args.experiment, args.budget, args.root, args.only, shard) is not None:
-        print((Path(args.root) / args.experiment / "table.md").read_text())
+    budget = args.budget or "quick"
+    root = args.root or DEFAULT_ROOTS[budget]
+    try:
+        result = run_experiment(args.experiment, budget, root, args.only, shard, force=args.force)
+    except BudgetClash as exc:
+        print(f"attnres experiment: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print((Path(root) / args.experiment / "table.md").read_text())
+        print(f"wrote {Path(root) / args.experiment}; gather with `attnres experiment report --root {root}`",
+              file=sys.stderr)
     return 0
 
 

@@ -1,8 +1,12 @@
 """``attnres sample RUN_DIR``: generate text from a run's checkpoint with KV-cache decoding.
 
-Byte-level runs decode their samples as UTF-8 (a character cut at the end is replaced). When
-more tokens are asked for than the context holds, generation slides: the last half-context of
-tokens is kept as the prompt for the next stretch.
+Byte-level runs decode their samples as UTF-8 (a character cut at the end is replaced). A run
+trained with ``attnres train --tokenizer DIR`` (BPE) records that folder in its ``config.json``
+and its tokenizer's content id; the samples are encoded and decoded with it (the ``hf`` extra),
+after checking that the folder still holds the very tokenizer the run was trained with
+(``--tokenizer DIR`` points elsewhere when the folder moved). When more tokens are asked for
+than the context holds, generation slides: the last half-context of tokens is kept as the
+prompt for the next stretch.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from .data import BYTE_TOKENIZER, byte_decode, byte_encode
 from .evaluate import load_run
 from .model import GPT
 
-__all__ = ["generate_text", "main"]
+__all__ = ["generate_text", "run_codec", "main"]
 
 
 @torch.no_grad()
@@ -46,7 +50,7 @@ def generate_text(
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k: expected >= 1, got {top_k}")
+        raise ValueError(f"top_k: expected >= 1, or None for all tokens, got {top_k}")
     if num_samples < 1:
         raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
     ids = encode(prompt) or encode("\n")
@@ -70,11 +74,45 @@ def generate_text(
     return [decode(row.tolist()) for row in seqs]
 
 
+def run_codec(record: dict, tokenizer: str | Path | None = None) -> tuple[Callable[[str], list[int]],
+                                                                        Callable[[list[int]], str]]:
+    """``(encode, decode)`` of a run from its ``config.json`` record: bytes, or the BPE tokenizer
+    of ``attnres train --tokenizer DIR`` (that folder, or ``tokenizer`` when given), checked
+    against the content id the run recorded. Raises ``ValueError`` / ``FileNotFoundError`` with
+    what to do when the tokenizer cannot be found or is not the run's."""
+    used = (record.get("data") or {}).get("tokenizer", BYTE_TOKENIZER)
+    if tokenizer is None and used == BYTE_TOKENIZER:
+        return byte_encode, byte_decode
+    hint = "pass --tokenizer DIR, the folder given to `attnres train --tokenizer` (it holds tokenizer.json)"
+    if used == BYTE_TOKENIZER:
+        raise ValueError(f"--tokenizer {tokenizer}: the run was trained on bytes, not with a tokenizer; "
+                         "leave --tokenizer out")
+    from . import tokenizer as tok
+
+    path = Path(tokenizer) if tokenizer is not None else tok.tokenizer_path_of(record)
+    if path is None:
+        raise ValueError(f"the run was trained with tokenizer {used!r} but its config.json records no "
+                         f"tokenizer folder; {hint}")
+    if not (path / tok.TOKENIZER_FILE).is_file():
+        where = "--tokenizer" if tokenizer is not None else "the run's tokenizer folder"
+        raise FileNotFoundError(f"{where} {str(path)!r}: no {tok.TOKENIZER_FILE} there"
+                                + ("" if tokenizer is not None else f" (moved or deleted?); {hint}"))
+    found = tok.tokenizer_id(path)
+    if found != used:
+        raise ValueError(f"tokenizer {str(path)!r} is {found!r}, not the {used!r} the run was trained with; {hint}")
+    try:
+        hook = tok.load_encoder(path)
+    except ImportError as exc:
+        raise ValueError(f"decoding a BPE run needs the hf extra (pip install 'attention-residuals[hf]'): {exc}") from exc
+    return hook.encode, hook.decode
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="attnres sample",
         description="Generate text from a run's checkpoint (KV-cache decoding). Prints the samples, "
-        "prompt included, separated by a rule; --json prints a JSON list instead.",
+        "prompt included, separated by a rule; --json prints a JSON list instead. Byte-level runs and runs "
+        "trained with `attnres train --tokenizer DIR` (BPE, decoded with that tokenizer) both work.",
         epilog="example:\n  attnres sample runs/demo/block --prompt 'def ' --max-new-tokens 300 --temperature 0.7",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -82,25 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default: 256)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0 = all (default: 50)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k most likely tokens, k >= 0; 0 = all tokens (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (default: 1)")
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default: RUN_DIR/checkpoint.safetensors)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder of a BPE run, when the one it records has moved (default: the folder "
+                        "the run was trained with; none for byte-level runs)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--json", action="store_true", help="print a JSON list of strings")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag, value, low, note in (("--max-new-tokens", args.max_new_tokens, 0, ""),
+                                   ("--temperature", args.temperature, 0, " (0 = greedy)"),
+                                   ("--top-k", args.top_k, 0, " (0 = all tokens)"),
+                                   ("--num-samples", args.num_samples, 1, "")):
+        if value < low:
+            parser.error(f"{flag}: expected >= {low}{note}, got {value}")
     try:
         model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=args.device)
-        tokenizer = info["record"].get("data", {}).get("tokenizer", BYTE_TOKENIZER)
-        if tokenizer != BYTE_TOKENIZER:
-            raise ValueError(f"the run uses tokenizer {tokenizer!r}; `attnres sample` decodes byte-level runs only")
+        encode, decode = run_codec(info["record"], args.tokenizer)
         texts = generate_text(
             model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
+            top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples, encode=encode, decode=decode,
         )
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"attnres sample: error: {e}", file=sys.stderr)
