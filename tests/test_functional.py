@@ -115,3 +115,39 @@ def test_bad_heads_and_normalize():
         depth_attention(torch.zeros(8), torch.zeros(2, 8), heads=3)
     with pytest.raises(ValueError, match="normalize"):
         depth_attention(torch.zeros(8), torch.zeros(2, 8), normalize="relu")
+
+
+@pytest.mark.parametrize("eps", [-1.0, -1e-12, float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda q, v, eps: depth_attention(q, v, eps),
+        lambda q, v, eps: depth_attention_reference(q, v, eps),
+        lambda q, v, eps: depth_state(q, v, eps),
+        lambda q, v, eps: depth_state_batched(q.expand(2, -1), v, eps),
+    ],
+    ids=["dispatcher", "reference", "state", "state_batched"],
+)
+def test_bad_eps_is_an_error_not_nan(fn, eps):
+    with pytest.raises(ValueError, match=r"eps: expected a finite number >= 0"):
+        fn(torch.randn(8), torch.randn(3, 2, 8), eps)
+
+
+def test_eps_type_and_zero():
+    with pytest.raises(TypeError, match="eps"):
+        depth_attention(torch.randn(8), torch.randn(3, 2, 8), "1e-6")
+    with pytest.raises(TypeError, match="eps"):
+        depth_attention(torch.randn(8), torch.randn(3, 2, 8), True)
+    # eps = 0 is allowed: the exact RMSNorm, finite for non-zero sources
+    q, v = torch.randn(8, dtype=torch.float64), torch.randn(3, 2, 8, dtype=torch.float64)
+    torch.testing.assert_close(depth_attention(q, v, 0.0), plain(q, v, eps=0.0).to(v.dtype))
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_zero_channels_is_an_error(as_list):
+    sources = [torch.zeros(2, 0)] * 3 if as_list else torch.zeros(3, 2, 0)
+    with pytest.raises(ValueError, match=r"sources: the channel dimension d must be > 0"):
+        depth_attention(torch.zeros(0), sources)
+    if not as_list:
+        with pytest.raises(ValueError, match=r"sources: the channel dimension d must be > 0"):
+            depth_attention_reference(torch.zeros(0), sources)

@@ -655,3 +655,20 @@ def test_traces_under_torch_compile(as_list):
     rq, rv = torch.autograd.grad(ref.square().sum(), (q, v))
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close((dq, dv), (rq, rv))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_rejects_bad_eps_and_zero_channels(backend):
+    """Checked before dispatch: no backend returns NaN for a negative eps or reshapes d = 0."""
+    q, v = torch.randn(8), torch.randn(3, 2, 8)
+    for sources in (v, list(v.unbind(0))):
+        with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
+            depth_attention(q, sources, -1.0, backend=backend)
+        with pytest.raises(ValueError, match="sources: the channel dimension d must be > 0"):
+            depth_attention(torch.zeros(0), [torch.zeros(2, 0)] * 3 if isinstance(sources, list)
+                            else torch.zeros(3, 2, 0), backend=backend)
+    state = kernels.depth_states_batched(q.expand(2, -1), v)
+    with pytest.raises(ValueError, match="eps"):
+        kernels.depth_states_batched(q.expand(2, -1), v, -1.0, backend=backend)
+    with pytest.raises(ValueError, match="eps"):
+        kernels.depth_attention_merged(state[0], q, v, float("nan"), backend=backend)

@@ -233,7 +233,24 @@ def test_depth_weights_rows_and_nan(idx):
      (dict(residual="block", n_blocks=4), r"n_blocks: 4 blocks do not fit L=6 .* fit: \[1, 2, 3, 6\]"),
      (dict(d_model=30), "n_head"), (dict(residual="full", heads=5), "heads"), (dict(residual="full", query="x"), "query"),
      (dict(n_layer=0), "n_layer"), (dict(residual="full", intra_gate=True), "intra_gate"),
-     (dict(residual="block", query="lowrank", query_rank=0), "query_rank")],
+     (dict(residual="block", query="lowrank", query_rank=0), "query_rank"),
+     (dict(mlp_hidden=-4), "mlp_hidden: expected a positive integer, or None"),
+     (dict(mlp_hidden=0), "mlp_hidden: expected a positive integer, or None"),
+     (dict(init_std=-1), "init_std: expected a finite number > 0"), (dict(init_std=0.0), "init_std"),
+     (dict(norm_eps=0.0), "norm_eps: expected a finite number > 0"), (dict(norm_eps=-1e-6), "norm_eps"),
+     (dict(rope_theta=0.0), "rope_theta: expected a finite number > 0"), (dict(rope_theta=-1e4), "rope_theta"),
+     (dict(rope_theta=float("nan")), "rope_theta"), (dict(norm_eps=float("inf")), "norm_eps"),
+     # options a rule would silently ignore
+     (dict(n_blocks=3), r"n_blocks: only used by residual in \('full', 'block'\).*residual='prenorm'"),
+     (dict(block_size=2), r"block_size: .*residual='prenorm'"),
+     (dict(query="input"), r"query: .*residual='prenorm'"), (dict(heads=2), r"heads: .*residual='prenorm'"),
+     (dict(normalize="sigmoid"), "normalize"), (dict(key_norm=False), "key_norm"),
+     (dict(window=4), r"window: only used by residual in \('swa',\).*residual='prenorm'"),
+     (dict(streams=2), r"streams: .*residual='prenorm'"), (dict(residual="mhc", window=3), r"window: .*residual='mhc'"),
+     (dict(residual="swa", block_size=2), r"block_size: .*residual='swa'"),
+     (dict(residual="denseformer", heads=2), r"heads: .*residual='denseformer'"),
+     (dict(residual="swa", intra_gate=True), "intra_gate"),
+     (dict(residual="full", query_rank=4), r"query_rank: only used with query='lowrank'.*query='static'")],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -250,6 +267,55 @@ def test_bad_idx_and_lengths():
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.zeros(1, 40, dtype=torch.long), 10)
+
+
+def test_mlp_hidden_none_is_the_default_width():
+    assert tiny().hidden == 128 and tiny(mlp_hidden=48).hidden == 48  # d = 32: 8/3 * 32 -> 128
+    assert GPT(tiny(mlp_hidden=48)).layers[1].down.in_features == 48
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(residual="full", block_size=2), dict(residual="full", n_blocks=3), dict(residual="swa", window=2, heads=2),
+           dict(residual="mhc", streams=2), dict(residual="block", query="lowrank", query_rank=4)]
+)
+def test_rule_options_accepted_where_used(kw):
+    GPT(tiny(**kw))
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [(torch.full((1, 4), 300), r"idx: token ids must be in 0..vocab_size-1=63, got ids in 300..300"),
+     (torch.tensor([[1, -1, 2]]), r"idx: token ids must be in 0..vocab_size-1=63, got ids in -1..2"),
+     (torch.full((1, 4), 64, dtype=torch.int32), "idx: token ids"),
+     (torch.zeros(1, 0, dtype=torch.long), r"idx: expected at least one .* got shape \(1, 0\)"),
+     (torch.zeros(0, 4, dtype=torch.long), r"idx: expected at least one .* got shape \(0, 4\)"),
+     (torch.zeros(4, dtype=torch.long), r"idx: expected integer token ids of shape \[B, T\]")],
+)
+def test_bad_idx_values(bad, match):
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match=match):
+        model(bad)
+    with pytest.raises(ValueError, match="idx"):
+        model.forward_hidden(bad)
+    with pytest.raises(ValueError, match="idx"):
+        model.generate(bad, 2)
+
+
+def test_bad_idx_type_and_targets():
+    model = GPT(tiny())
+    with pytest.raises(TypeError, match="idx: expected a torch.Tensor"):
+        model([[1, 2, 3]])
+    x = torch.randint(0, 64, (2, 5))
+    with pytest.raises(ValueError, match=r"targets: token ids must be in 0..vocab_size-1=63 \(or -1"):
+        model(x, torch.full((2, 5), 64))
+    with pytest.raises(ValueError, match="targets: token ids"):
+        model(x, torch.full((2, 5), -2))
+    with pytest.raises(ValueError, match="targets: expected integer token ids"):
+        model(x, torch.zeros(2, 5))
+    # -1 (ignored) and int32 targets are fine and give the int64 loss
+    y = x.clone()
+    y[:, 0] = -1
+    torch.testing.assert_close(model(x, y.int())[1], model(x, y)[1])
 
 
 def test_config_round_trip():

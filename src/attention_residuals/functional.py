@@ -17,6 +17,8 @@ softmax decomposable over disjoint source sets, which is what exact two-phase in
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ __all__ = [
     "DepthState",
     "rms_norm",
     "check_depth_inputs",
+    "check_eps",
     "stack_sources",
     "depth_logits",
     "depth_attention_reference",
@@ -40,8 +43,27 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6, weight: torch.Tensor | None = N
     return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
 
 
-def check_depth_inputs(query: torch.Tensor, sources: torch.Tensor, heads: int = 1) -> None:
-    """Validate the arguments of depth attention; every error names the argument at fault."""
+def check_eps(eps: float) -> None:
+    """``eps`` (the RMSNorm epsilon of the keys) must be a finite real number ``>= 0``.
+
+    ``eps = 0`` is allowed (the exact RMSNorm, e.g. for float64 gradchecks), but a source whose
+    channels are all zero then has no defined key (0 / 0) and gives NaN: use ``eps > 0`` unless
+    the sources are known to be non-zero. A negative ``eps`` can make ``mean(v^2) + eps``
+    negative and its square root NaN, so it is rejected here rather than discovered in the output.
+    """
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a real number >= 0, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+
+
+def check_depth_inputs(
+    query: torch.Tensor, sources: torch.Tensor, heads: int = 1, eps: float | None = None
+) -> None:
+    """Validate the arguments of depth attention; every error names the argument at fault.
+
+    ``eps``, when given, is checked by :func:`check_eps`.
+    """
     if not isinstance(sources, torch.Tensor):
         raise TypeError(f"sources: expected a torch.Tensor, got {type(sources).__name__}")
     if not isinstance(query, torch.Tensor):
@@ -55,6 +77,10 @@ def check_depth_inputs(query: torch.Tensor, sources: torch.Tensor, heads: int = 
     if sources.shape[0] == 0:
         raise ValueError("sources: need at least one source (N = 0 along dim 0)")
     d = sources.shape[-1]
+    if d == 0:
+        raise ValueError(
+            f"sources: the channel dimension d must be > 0, got sources of shape {tuple(sources.shape)}"
+        )
     if query.ndim == 0 or query.shape[-1] != d:
         raise ValueError(
             f"query: last dim must equal the sources' hidden size d={d}, got query shape {tuple(query.shape)}"
@@ -69,6 +95,8 @@ def check_depth_inputs(query: torch.Tensor, sources: torch.Tensor, heads: int = 
         )
     if heads < 1 or d % heads != 0:
         raise ValueError(f"heads: must be a positive divisor of d={d}, got {heads}")
+    if eps is not None:
+        check_eps(eps)
 
 
 def stack_sources(sources: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -146,7 +174,7 @@ def depth_attention_reference(
     source (the report's ablation; no competition between sources, weights need not sum to 1).
     Computed in float32, returned in ``sources.dtype``.
     """
-    check_depth_inputs(query, sources, heads)
+    check_depth_inputs(query, sources, heads, eps)
     z = depth_logits(query, sources, eps, heads=heads, key_norm=key_norm)
     if normalize == "softmax":
         weights = torch.softmax(z, dim=0)
@@ -187,7 +215,7 @@ def depth_state(
     key_norm: bool = True,
 ) -> DepthState:
     """Softmax state of ``query`` (broadcastable to ``[*batch, d]``) over ``sources``."""
-    check_depth_inputs(query, sources, heads)
+    check_depth_inputs(query, sources, heads, eps)
     z = depth_logits(query, sources, eps, heads=heads, key_norm=key_norm)  # [N, *batch, H]
     m = z.amax(dim=0)
     p = torch.exp(z - m)
@@ -212,7 +240,7 @@ def depth_state_batched(
     """
     if queries.ndim != 2:
         raise ValueError(f"queries: expected shape [Q, d], got {tuple(queries.shape)}")
-    check_depth_inputs(queries[0], sources, heads)
+    check_depth_inputs(queries[0], sources, heads, eps)
     n, d = sources.shape[0], sources.shape[-1]
     batch = sources.shape[1:-1]
     keys = _split_heads(sources.to(_acc(sources.dtype)), heads)  # [N, *batch, H, dh]

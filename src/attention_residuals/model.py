@@ -14,7 +14,8 @@ is the only thing that changes between the baseline and AttnRes::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import numbers
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,21 @@ from .connections import RESIDUALS, make_connection, resolve_block_size
 
 __all__ = ["GPTConfig", "GPT", "KVCache"]
 
+#: the options that only some rules read, and those rules; a non-default value with any other
+#: rule would be silently ignored, so :meth:`GPTConfig.validate` rejects it
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "block_size": ("full", "block"),  # full: the two-phase group size
+    "n_blocks": ("full", "block"),
+    "query": ("full", "block", "swa"),
+    "normalize": ("full", "block", "swa"),
+    "heads": ("full", "block", "swa"),
+    "key_norm": ("full", "block", "swa"),
+    "query_rank": ("full", "block", "swa"),  # and only with query="lowrank"
+    "window": ("swa",),
+    "streams": ("mhc",),
+    "intra_gate": ("block",),
+}
+
 
 @dataclass
 class GPTConfig:
@@ -32,6 +48,12 @@ class GPTConfig:
     ``seq_len`` is the context length; ``block_size`` is the AttnRes block size S counted in
     sublayers (L = 2 * n_layer), unlike nanoGPT where block_size is the context length. Give
     ``block_size`` or ``n_blocks`` (N); for ``residual="block"`` the default is N ~ 8.
+
+    The rule-specific options (see :data:`RULE_OPTIONS`: ``block_size``, ``n_blocks``, ``query``,
+    ``window``, ``streams``...) must keep their defaults with a rule that does not read them, and
+    ``query_rank`` with a ``query`` other than ``"lowrank"``: :meth:`validate` rejects a value that
+    would be silently ignored. ``mlp_hidden=None`` means the default width; ``rope_theta``,
+    ``norm_eps`` and ``init_std`` must be finite and > 0.
     """
 
     vocab_size: int = 256
@@ -62,7 +84,9 @@ class GPTConfig:
 
     @property
     def hidden(self) -> int:
-        return self.mlp_hidden or 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
     def validate(self) -> GPTConfig:
         """Raise ``ValueError`` naming the field if the configuration cannot be built."""
@@ -72,6 +96,28 @@ class GPTConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.residual!r}")
+        if self.mlp_hidden is not None and (not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 1):
+            raise ValueError(
+                "mlp_hidden: expected a positive integer, or None for the default "
+                f"(8/3 * d_model rounded up to a multiple of 64), got {self.mlp_hidden!r}"
+            )
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
+        for name, rules in RULE_OPTIONS.items():
+            value = getattr(self, name)
+            if self.residual not in rules and value != defaults[name]:
+                raise ValueError(
+                    f"{name}: only used by residual in {rules}, got {name}={value!r} with "
+                    f"residual={self.residual!r} (leave it at its default {defaults[name]!r})"
+                )
+        if self.query_rank != defaults["query_rank"] and self.query != "lowrank":
+            raise ValueError(
+                f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} with "
+                f"query={self.query!r}"
+            )
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
             raise ValueError(f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
         resolve_block_size(self.n_sublayers, self.block_size, self.n_blocks)
@@ -202,10 +248,44 @@ class GPT(nn.Module):
         n = self.num_params(non_embedding=True)
         return 6.0 * n + 12.0 * c.n_layer * c.d_model * T
 
-    def _run(self, idx: torch.Tensor, schedule: str = "plain", cache: KVCache | None = None,
-             record: bool = False) -> tuple[torch.Tensor, dict | None]:
+    def _check_ids(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> None:
+        """``idx``: int64/int32 token ids ``[B, T]``, ``B, T >= 1``, every id in ``0..vocab_size-1``;
+        ``targets`` (if given): integer ids of the same shape in ``0..vocab_size-1`` or ``-1``
+        (ignored positions).
+
+        The range check is one min/max reduction read back to the host, so it runs on CPU tensors
+        only (on a GPU it would cost a device sync per step, and an id out of range trips the
+        embedding's device-side assert there anyway) and not while ``torch.compile`` traces.
+        """
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx: expected a torch.Tensor of token ids [B, T], got {type(idx).__name__}")
         if idx.ndim != 2 or idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx: expected integer token ids of shape [B, T], got {tuple(idx.shape)} {idx.dtype}")
+        if idx.shape[0] < 1 or idx.shape[1] < 1:
+            raise ValueError(f"idx: expected at least one sequence and one token (B, T >= 1), got shape {tuple(idx.shape)}")
+        if targets is not None:
+            if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+                got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
+                raise ValueError(f"targets: expected integer token ids (int64 or int32), got {got}")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets: expected shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        if torch.compiler.is_compiling() or idx.device.type != "cpu":
+            return
+        ranges = [torch.aminmax(idx)] + ([torch.aminmax(targets)] if targets is not None else [])
+        bounds = torch.stack([v.long() for r in ranges for v in r]).tolist()  # one host read
+        top = self.config.vocab_size - 1
+        if bounds[0] < 0 or bounds[1] > top:
+            raise ValueError(f"idx: token ids must be in 0..vocab_size-1={top}, got ids in {bounds[0]}..{bounds[1]}")
+        if targets is not None and (bounds[2] < -1 or bounds[3] > top):
+            raise ValueError(
+                f"targets: token ids must be in 0..vocab_size-1={top} (or -1 to ignore a position), "
+                f"got ids in {bounds[2]}..{bounds[3]}"
+            )
+
+    def _run(self, idx: torch.Tensor, schedule: str = "plain", cache: KVCache | None = None,
+             record: bool = False, check: bool = True) -> tuple[torch.Tensor, dict | None]:
+        if check:
+            self._check_ids(idx)
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.seq_len:
@@ -231,13 +311,12 @@ class GPT(nn.Module):
 
         ``schedule="two_phase"``: the exact two-phase block schedule (static queries only).
         """
-        hidden, _ = self._run(idx, schedule)
+        self._check_ids(idx, targets)
+        hidden, _ = self._run(idx, schedule, check=False)
         logits = self.lm_head(hidden)
         if targets is None:
             return logits
-        if targets.shape != idx.shape:
-            raise ValueError(f"targets: expected shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.long().flatten(), ignore_index=-1)
         return logits, loss
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
@@ -256,6 +335,7 @@ class GPT(nn.Module):
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
+        self._check_ids(idx)  # once: the sampled ids are in range by construction
         if idx.shape[1] + max_new_tokens > self.config.seq_len:
             raise ValueError(
                 f"max_new_tokens: prompt ({idx.shape[1]}) + {max_new_tokens} new tokens exceed seq_len={self.config.seq_len}"
@@ -263,7 +343,7 @@ class GPT(nn.Module):
         cache = self.new_cache(idx.shape[0]) if use_cache else None
         pending = idx
         for _ in range(max_new_tokens):
-            hidden, _ = self._run(pending if use_cache else idx, cache=cache)
+            hidden, _ = self._run(pending if use_cache else idx, cache=cache, check=False)
             logits = self.lm_head(hidden[:, -1]).float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)

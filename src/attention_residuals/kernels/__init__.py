@@ -155,17 +155,17 @@ def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: s
 Sources = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-def _checked(query: torch.Tensor, sources: Sources, heads: int) -> Sequence[torch.Tensor]:
-    """Validate ``(query, sources)`` and return the sources as a sequence of N ``[*batch, d]``
-    tensors: a stacked tensor is returned as it is (indexing and iterating it give its slices,
-    without making N views on every call)."""
+def _checked(query: torch.Tensor, sources: Sources, heads: int, eps: float) -> Sequence[torch.Tensor]:
+    """Validate ``(query, sources, heads, eps)`` and return the sources as a sequence of N
+    ``[*batch, d]`` tensors: a stacked tensor is returned as it is (indexing and iterating it give
+    its slices, without making N views on every call)."""
     if isinstance(sources, torch.Tensor):
-        check_depth_inputs(query, sources, heads)
+        check_depth_inputs(query, sources, heads, eps)
         srcs = sources
     else:
         check_source_list(sources)
         srcs = list(sources)
-        check_depth_inputs(query, srcs[0].expand(len(srcs), *srcs[0].shape), heads)
+        check_depth_inputs(query, srcs[0].expand(len(srcs), *srcs[0].shape), heads, eps)
     if query.device != srcs[0].device:
         raise ValueError(f"query: on {query.device} but sources are on {srcs[0].device}")
     return srcs
@@ -194,9 +194,11 @@ def depth_attention(
     dtype of the sources. A zero query gives the mean of the sources. ``heads=H`` splits d into H
     groups with a softmax each; ``key_norm=False`` uses the raw sources as keys;
     ``normalize="sigmoid"`` gates each source independently. ``backend``: ``"auto"`` or one of
-    :data:`BACKENDS` (see the module docstring).
+    :data:`BACKENDS` (see the module docstring). ``eps``: the keys' RMSNorm epsilon, a finite
+    number ``>= 0``; ``0`` is the exact RMSNorm (NaN for a source that is all zeros), a negative
+    ``eps`` is rejected (see :func:`~attention_residuals.functional.check_eps`).
     """
-    srcs = _checked(query, sources, heads)
+    srcs = _checked(query, sources, heads, eps)
     if normalize not in ("softmax", "sigmoid"):
         raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
     name = select_backend(srcs[0], normalize, backend)
@@ -254,7 +256,7 @@ def depth_states_batched(
     """
     if queries.ndim != 2:
         raise ValueError(f"queries: expected shape [Q, d], got {tuple(queries.shape)}")
-    srcs = _checked(queries[0], sources, heads)
+    srcs = _checked(queries[0], sources, heads, eps)
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or any(s.requires_grad for s in srcs))
     impl = _two_phase_impl(srcs[0], backend, needs_grad)
     if impl is None:
@@ -281,7 +283,7 @@ def depth_attention_merged(
     returns the output ``[*batch, d]`` in the sources' dtype. Equals
     ``merge_states(state, depth_state(query, sources)).output(dtype)`` in one pass (forward-only
     kernels; the functional formulas when autograd needs a graph or the query is not static)."""
-    srcs = _checked(query, sources, heads)
+    srcs = _checked(query, sources, heads, eps)
     tensors = (query, state.max, state.sum, state.out, *srcs)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     static = query.shape[:-1].numel() == 1
