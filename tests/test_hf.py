@@ -181,6 +181,8 @@ def test_export_hf_and_back_is_lossless(tmp_path, idx, capsys):
     assert GPTConfig.from_dict(info["config"]["model"]) == ours.config
     record = json.loads((tmp_path / "run2" / "config.json").read_text())
     assert GPTConfig.from_dict(record["model"]) == ours.config
+    original = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["train"] == original["train"] and record["data"] == original["data"]  # eval finds its corpus
 
 
 def test_export_hf_dtype_and_tokenizer(tmp_path, idx):

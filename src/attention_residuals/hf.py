@@ -60,6 +60,7 @@ __all__ = [
     "to_gpt",
 ]
 
+EXPORT_FILE = "attnres_export.json"  # beside an exported model: where it came from
 _GPT_FIELDS = tuple(f.name for f in fields(GPTConfig))
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
@@ -392,8 +393,11 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     note = _export_tokenizer(run_config, gpt_cfg, out_dir)
-    (out_dir / "attnres_export.json").write_text(
-        json.dumps({"run_dir": str(run_dir.resolve()), "step": step, "tokenizer": note}, indent=1)
+    # the run's training config and corpus identity travel along, so that --import gives back a run
+    # that `attnres eval` reads on its own corpus (an HF loader ignores this file)
+    run = {key: run_config[key] for key in ("train", "data") if isinstance(run_config.get(key), dict)}
+    (out_dir / EXPORT_FILE).write_text(
+        json.dumps({"run_dir": str(run_dir.resolve()), "step": step, "tokenizer": note, "run": run}, indent=1)
     )
     return out_dir
 
@@ -418,14 +422,17 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     """Convert an HF folder written by :func:`export_hf` back to a run directory.
 
     Writes ``checkpoint.safetensors`` (weights only: no optimizer state) and ``config.json``
-    with the model config under ``"model"``; returns the checkpoint path.
+    with the model config under ``"model"`` and, when the folder came from :func:`export_hf`, the
+    run's ``"train"`` and ``"data"`` sections (its corpus, tokenizer and hyperparameters); returns
+    the checkpoint path.
     """
     from .checkpoint import save_checkpoint
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     hf = AttnResForCausalLM.from_pretrained(hf_dir, local_files_only=True)
     gpt = to_gpt(hf)
-    run_config = {"model": gpt.config.to_dict(), "imported_from": str(hf_dir)}
+    exported = json.loads((hf_dir / EXPORT_FILE).read_text()) if (hf_dir / EXPORT_FILE).is_file() else {}
+    run_config = {**exported.get("run", {}), "model": gpt.config.to_dict(), "imported_from": str(hf_dir)}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(run_config, indent=1, sort_keys=True))
     return save_checkpoint(run_dir / "checkpoint.safetensors", model=gpt, config=run_config, rng=False)
@@ -454,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         else:
             out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype))
-            note = json.loads((out / "attnres_export.json").read_text())["tokenizer"]
+            note = json.loads((out / EXPORT_FILE).read_text())["tokenizer"]
             print(f"wrote {out} with {note}")
             print("load it with: import attention_residuals.hf; AutoModelForCausalLM.from_pretrained(...)")
     except (OSError, ValueError, RuntimeError) as e:
