@@ -282,6 +282,17 @@ def test_rule_options_accepted_where_used(kw):
     GPT(tiny(**kw))
 
 
+def test_make_connection_rejects_options_its_rule_ignores():
+    """The check lives with the rules (make_connection), so apply_attnres and the HF model get it too."""
+    with pytest.raises(ValueError, match=r"window: only used by residual in \('swa',\).*residual='mhc'"):
+        make_connection("mhc", 4, 8, window=3)
+    with pytest.raises(ValueError, match="n_blocks: only used by residual in"):
+        make_connection("prenorm", 4, 8, n_blocks=2)
+    with pytest.raises(ValueError, match="query_rank: only used with query='lowrank'"):
+        make_connection("full", 4, 8, query_rank=4)
+    make_connection("full", 4, 8, query="lowrank", query_rank=4)
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [(torch.full((1, 4), 300), r"idx: token ids must be in 0..vocab_size-1=63, got ids in 300..300"),

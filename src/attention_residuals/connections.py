@@ -29,6 +29,7 @@ attention layer sees the mean of its sources.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -472,6 +473,41 @@ def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | No
     return block_size
 
 
+#: the options that only some rules read, and those rules: a non-default value with any other
+#: rule would be silently ignored, so :func:`check_rule_options` rejects it
+RULE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "block_size": ("full", "block"),  # full: the two-phase group size
+    "n_blocks": ("full", "block"),
+    "query": ("full", "block", "swa"),
+    "normalize": ("full", "block", "swa"),
+    "heads": ("full", "block", "swa"),
+    "key_norm": ("full", "block", "swa"),
+    "query_rank": ("full", "block", "swa"),  # and only with query="lowrank"
+    "window": ("swa",),
+    "streams": ("mhc",),
+    "intra_gate": ("block",),
+}
+
+
+def check_rule_options(name: str, **options) -> None:
+    """Raise ``ValueError`` for an option (of :data:`RULE_OPTIONS`) set away from its default with a
+    rule ``name`` that does not read it, and for ``query_rank`` without ``query="lowrank"``."""
+    defaults = {k: p.default for k, p in inspect.signature(make_connection).parameters.items()}
+    for option, value in options.items():
+        rules = RULE_OPTIONS[option]
+        if name not in rules and value != defaults[option]:
+            raise ValueError(
+                f"{option}: only used by residual in {rules}, got {option}={value!r} with "
+                f"residual={name!r} (leave it at its default {defaults[option]!r})"
+            )
+    if options.get("query_rank", defaults["query_rank"]) != defaults["query_rank"] and \
+            options.get("query", defaults["query"]) != "lowrank":
+        raise ValueError(
+            f"query_rank: only used with query='lowrank', got query_rank={options['query_rank']!r} with "
+            f"query={options.get('query', defaults['query'])!r}"
+        )
+
+
 def make_connection(
     name: str,
     n_layers: int,
@@ -492,10 +528,11 @@ def make_connection(
     """Build the depth-mixing rule ``name`` (one of :data:`RESIDUALS`) for ``n_layers`` sublayers."""
     if name not in RESIDUALS:
         raise ValueError(f"residual: expected one of {RESIDUALS}, got {name!r}")
+    check_rule_options(name, block_size=block_size, n_blocks=n_blocks, query=query, normalize=normalize,
+                       heads=heads, key_norm=key_norm, window=window, streams=streams, query_rank=query_rank,
+                       intra_gate=intra_gate)
     size = resolve_block_size(n_layers, block_size, n_blocks)
     options = dict(query=query, normalize=normalize, heads=heads, key_norm=key_norm, query_rank=query_rank)
-    if intra_gate and name != "block":
-        raise ValueError(f"intra_gate: only defined for residual='block', got residual={name!r}")
     if name == "prenorm":
         return PreNormResidual(n_layers, d_model, eps)
     if name == "full":

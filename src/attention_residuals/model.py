@@ -15,30 +15,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .connections import RESIDUALS, make_connection, resolve_block_size
+from .connections import RESIDUALS, RULE_OPTIONS, check_rule_options, make_connection, resolve_block_size
 
 __all__ = ["GPTConfig", "GPT", "KVCache"]
 
-#: the options that only some rules read, and those rules; a non-default value with any other
-#: rule would be silently ignored, so :meth:`GPTConfig.validate` rejects it
-RULE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "block_size": ("full", "block"),  # full: the two-phase group size
-    "n_blocks": ("full", "block"),
-    "query": ("full", "block", "swa"),
-    "normalize": ("full", "block", "swa"),
-    "heads": ("full", "block", "swa"),
-    "key_norm": ("full", "block", "swa"),
-    "query_rank": ("full", "block", "swa"),  # and only with query="lowrank"
-    "window": ("swa",),
-    "streams": ("mhc",),
-    "intra_gate": ("block",),
-}
 
 
 @dataclass
@@ -105,19 +91,7 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
-        defaults = {f.name: f.default for f in fields(self) if f.default is not MISSING}
-        for name, rules in RULE_OPTIONS.items():
-            value = getattr(self, name)
-            if self.residual not in rules and value != defaults[name]:
-                raise ValueError(
-                    f"{name}: only used by residual in {rules}, got {name}={value!r} with "
-                    f"residual={self.residual!r} (leave it at its default {defaults[name]!r})"
-                )
-        if self.query_rank != defaults["query_rank"] and self.query != "lowrank":
-            raise ValueError(
-                f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} with "
-                f"query={self.query!r}"
-            )
+        check_rule_options(self.residual, **{name: getattr(self, name) for name in RULE_OPTIONS})
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
             raise ValueError(f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
         resolve_block_size(self.n_sublayers, self.block_size, self.n_blocks)
