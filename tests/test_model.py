@@ -323,6 +323,8 @@ def test_bad_idx_type_and_targets():
         model(x, torch.full((2, 5), -2))
     with pytest.raises(ValueError, match="targets: expected integer token ids"):
         model(x, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="targets: every position is -1"):
+        model(x, torch.full((2, 5), -1))
     # -1 (ignored) and int32 targets are fine and give the int64 loss
     y = x.clone()
     y[:, 0] = -1

@@ -255,6 +255,8 @@ class GPT(nn.Module):
                 f"targets: token ids must be in 0..vocab_size-1={top} (or -1 to ignore a position), "
                 f"got ids in {bounds[2]}..{bounds[3]}"
             )
+        if targets is not None and bounds[3] == -1:
+            raise ValueError("targets: every position is -1 (ignored): the loss would be 0/0")
 
     def _run(self, idx: torch.Tensor, schedule: str = "plain", cache: KVCache | None = None,
              record: bool = False, check: bool = True) -> tuple[torch.Tensor, dict | None]:
