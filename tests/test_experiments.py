@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,25 @@ def test_experiment_help_shows_defaults_and_every_experiment(capsys):
     assert set(ex.SUBCOMMANDS) <= listed  # the epilog lists each experiment with its line
     assert set(ex.EXPERIMENTS) | {"report"} == set(ex.SUBCOMMANDS)
     assert "Floor" not in text
+
+
+def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, capsys):
+    """`--only S=2` must not replace an experiment's tables by a table of one run: the tables come
+    once every run is finished, and then cover them all."""
+    from attention_residuals import train
+
+    finished = {"S2"}
+
+    def summary(run_dir):
+        name = Path(run_dir).name
+        done = any(f"block_size-{v[1:]}" in name for v in finished) if "residual-block" in name else "prenorm" in finished
+        return {"done": done, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0} if done else None
+
+    monkeypatch.setattr(train, "load_summary", summary)
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    assert ex.run_experiment("blocksize", "quick", tmp_path, only=["S=2"]) is None
+    assert "no tables until every run" in capsys.readouterr().err
+    assert not (tmp_path / "blocksize" / "results.json").exists()
+    finished |= {"S1", "S4", "S8", "prenorm"}
+    result = ex.run_experiment("blocksize", "quick", tmp_path, only=["S=2"])
+    assert set(result["run_dirs"]) == {s.name for s in ex.specs("blocksize", ex.BUDGETS["quick"])}

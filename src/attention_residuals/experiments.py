@@ -257,6 +257,16 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
     bar.close()
     if shard is not None:
         return None
+    if only:  # the tables cover the whole experiment: only once every one of its runs is finished
+        for spec in specs(experiment, budget):
+            if spec.name not in summaries:
+                done = load_summary(Path(root) / "runs" / run_key(spec, budget_name))
+                if not (done and done.get("done")):
+                    print(f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
+                          f"finished ({spec.name} is not)", file=sys.stderr)
+                    return None
+                summaries[spec.name] = done
+        todo = specs(experiment, budget)
     meta = {
         "experiment": experiment, "budget": budget_name, "budget_config": budget.__dict__,
         "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
