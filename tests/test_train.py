@@ -246,6 +246,15 @@ def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
     done = train(tiny(work / "run", steps=6, eval_interval=3, data=str(work / "corpus.txt"), resume=True,
                       cache_dir=str(tmp_path / "cache")))
     assert done["done"]
+    # a run recorded with a relative path (before paths were made absolute) resumes from its folder
+    old = tmp_path / "old"
+    monkeypatch.chdir(work)
+    train(tiny(old, steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache")))
+    record = json.loads((old / "config.json").read_text())
+    record["train"]["data"] = "corpus.txt"
+    (old / "config.json").write_text(json.dumps(record))
+    assert train(tiny(old, steps=6, eval_interval=3, data="corpus.txt", resume=True,
+                      cache_dir=str(tmp_path / "cache")))["done"]
 
 
 def test_eval_batch_arguments_are_checked(tmp_path, corpus, capsys):

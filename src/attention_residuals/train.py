@@ -476,9 +476,13 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
             )
         else:
             saved = json.loads(cfg_path.read_text())
+            saved_train = dict(saved.get("train", {}))
+            for key in ("data", "tokenizer"):  # runs recorded before paths were made absolute
+                if isinstance(saved_train.get(key), str) and not os.path.isabs(saved_train[key]):
+                    saved_train[key] = os.path.abspath(os.path.expanduser(saved_train[key]))
             saved_id = {
                 "model": saved.get("model", {}),
-                "train": saved.get("train", {}),
+                "train": saved_train,
                 "data": {k: saved.get("data", {}).get(k) for k in data_id},
             }
             diff = config_diff(saved_id, identity)
