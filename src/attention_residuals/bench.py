@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -226,8 +227,9 @@ def _setup(args: argparse.Namespace) -> dict:
     return info
 
 
-def _command(name: str, argv: list[str]) -> str:
-    return " ".join(["attnres", "bench", name, *argv])
+def bench_command(name: str, argv: list[str]) -> str:
+    """The command line that made a benchmark's JSON, recorded in it."""
+    return shlex.join(["attnres", "bench", name, *argv])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -487,7 +489,7 @@ def bench_op(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     info = _setup(args)
     result, rows = _run_op(args)
-    result = {"bench": "op", "command": _command("op", argv), "machine": info, **result}
+    result = {"bench": "op", "command": bench_command("op", argv), "machine": info, **result}
     return _finish(result, args, rows, OP_HEADER)
 
 
@@ -597,7 +599,7 @@ def bench_model(argv: list[str]) -> int:
     base = {kind: min(times[name]) for kind, name in base_name.items()}
     result = {
         "bench": "model",
-        "command": _command("model", argv),
+        "command": bench_command("model", argv),
         "machine": info,
         "config": {
             "d_model": args.d_model,
@@ -616,7 +618,7 @@ def bench_model(argv: list[str]) -> int:
     rows = []
     for name, ts in times.items():
         kind, label, *sched = name.split("|")
-        ratio = min(ts) / base[kind]
+        ratio, paired = min(ts) / base[kind], paired_ratio(ts, times[base_name[kind]])
         result["results"].append(
             {
                 "kind": kind,
@@ -624,10 +626,9 @@ def bench_model(argv: list[str]) -> int:
                 "schedule": sched[0] if sched else None,
                 **_ms(ts),
                 "ratio_vs_prenorm": round(ratio, 4),
-                "ratio_vs_prenorm_paired": round(paired_ratio(ts, times[base_name[kind]]), 4),
+                "ratio_vs_prenorm_paired": round(paired, 4),
             }
         )
-        paired = result["results"][-1]["ratio_vs_prenorm_paired"]
         rows.append([kind, label, sched[0] if sched else "", _fmt(min(ts) * 1e3, 1), _fmt(ratio), _fmt(paired)])
     header = ["step", "variant", "schedule", "best ms", "x prenorm", "x prenorm (paired)"]
     return _finish(result, args, rows, header)
@@ -730,7 +731,7 @@ def bench_memory(argv: list[str]) -> int:
     L = 2 * args.n_layer
     result = {
         "bench": "memory",
-        "command": _command("memory", argv),
+        "command": bench_command("memory", argv),
         "machine": info,
         "config": {
             "d_model": args.d_model,
@@ -871,7 +872,7 @@ def bench_peers(argv: list[str]) -> int:
             rows.append(["train block/prenorm (best; paired)", pkg, f"{_fmt(min(blk) / min(pre))}; {_fmt(paired)}"])
     result = {
         "bench": "peers",
-        "command": _command("peers", argv),
+        "command": bench_command("peers", argv),
         "machine": info,
         "op": op_result,
         "steps": steps,

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .bench import bench_command
 
 __all__ = ["main", "bench_pipeline", "bench_prefill", "report_prefill_example"]
 
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = default_out(args) if args.out is None else args.out
     torch.set_num_threads(1)  # every rank is one process on one core
     t0 = time.perf_counter()
-    result: dict = dict(bench="dist", command=" ".join(["attnres bench dist", *map(shlex.quote, argv)]),
+    result: dict = dict(bench="dist", command=bench_command("dist", argv),
                         torch=torch.__version__, python=platform.python_version(), backend="gloo", device="cpu")
     if args.quick:
         result["quick"] = True

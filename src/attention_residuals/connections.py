@@ -490,21 +490,22 @@ RULE_OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 def check_rule_options(name: str, **options) -> None:
-    """Raise ``ValueError`` for an option (of :data:`RULE_OPTIONS`) set away from its default with a
-    rule ``name`` that does not read it, and for ``query_rank`` without ``query="lowrank"``."""
+    """Raise ``ValueError`` for an option (of :data:`RULE_OPTIONS`) set away from its default (that
+    of :func:`make_connection`) with a rule ``name`` that does not read it, and for ``query_rank``
+    without ``query="lowrank"``."""
     defaults = {k: p.default for k, p in inspect.signature(make_connection).parameters.items()}
-    for option, value in options.items():
+    given = {k: defaults[k] for k in RULE_OPTIONS} | options
+    for option, value in given.items():
         rules = RULE_OPTIONS[option]
         if name not in rules and value != defaults[option]:
             raise ValueError(
                 f"{option}: only used by residual in {rules}, got {option}={value!r} with "
                 f"residual={name!r} (leave it at its default {defaults[option]!r})"
             )
-    if options.get("query_rank", defaults["query_rank"]) != defaults["query_rank"] and \
-            options.get("query", defaults["query"]) != "lowrank":
+    if given["query_rank"] != defaults["query_rank"] and given["query"] != "lowrank":
         raise ValueError(
-            f"query_rank: only used with query='lowrank', got query_rank={options['query_rank']!r} with "
-            f"query={options.get('query', defaults['query'])!r}"
+            f"query_rank: only used with query='lowrank', got query_rank={given['query_rank']!r} with "
+            f"query={given['query']!r}"
         )
 
 

@@ -2,8 +2,9 @@
 
 The corpus is the run's own (``config.json`` names it and records its sha256; a mismatch, e.g.
 another Python's standard library, is reported in the output and warned about) unless ``--data``
-points elsewhere, read with the run's tokenizer (bytes, or the BPE it trained with). The loss is the mean cross-entropy over fixed validation windows — the same
-windows ``attnres train`` evaluates on, so the numbers agree with ``metrics.jsonl``.
+points elsewhere, read with the run's tokenizer (bytes, or the BPE it trained with). The loss is
+the mean cross-entropy over fixed validation windows — the same windows ``attnres train``
+evaluates on, so the numbers agree with ``metrics.jsonl``.
 """
 
 from __future__ import annotations

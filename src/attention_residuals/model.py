@@ -26,7 +26,6 @@ from .connections import RESIDUALS, RULE_OPTIONS, check_rule_options, make_conne
 __all__ = ["GPTConfig", "GPT", "KVCache"]
 
 
-
 @dataclass
 class GPTConfig:
     """Model shape and depth-mixing rule.

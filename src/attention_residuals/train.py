@@ -207,26 +207,35 @@ class TrainConfig:
         return self
 
 
+def _optional(tp: Any) -> tuple[Any, bool]:
+    """``(inner type, True)`` for ``X | None`` (``Any`` when several types remain), else ``(tp, False)``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return (inner[0] if len(inner) == 1 else Any), True
+    return tp, False
+
+
+# the values each annotated field type accepts (an int passes for a float; a bool is no number)
+_TYPE_CHECKS = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+}
+
+
 def check_field_types(config: Any) -> None:
-    """Every field of the dataclass ``config`` holds a value of its annotated type (an int passes
-    for a float): a JSON ``"key_norm": "false"`` or ``"lr": "fast"`` fails here, naming the field,
-    instead of being taken as true or failing deep inside."""
+    """Every field of the dataclass ``config`` holds a value of its annotated type: a JSON
+    ``"key_norm": "false"`` or ``"lr": "fast"`` fails here, naming the field, instead of being
+    taken as true or failing deep inside."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
-        tp, value = hints[f.name], getattr(config, f.name)
-        args = typing.get_args(tp)
-        optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
-        if optional:
-            if value is None:
-                continue
-            inner = [a for a in args if a is not type(None)]
-            tp = inner[0] if len(inner) == 1 else Any
-        ok = {
-            bool: lambda v: isinstance(v, bool),
-            int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-            str: lambda v: isinstance(v, str),
-        }.get(tp)
+        value = getattr(config, f.name)
+        tp, optional = _optional(hints[f.name])
+        if optional and value is None:
+            continue
+        ok = _TYPE_CHECKS.get(tp)
         if ok is not None and not ok(value):
             article = "an" if tp.__name__[0] in "aeiou" else "a"
             raise ValueError(f"{f.name}: expected {article} {tp.__name__}{' or None' if optional else ''}, "
@@ -404,11 +413,17 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
         _dp.teardown()
 
 
+_PATH_FIELDS = ("data", "tokenizer")  # recorded as absolute paths
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``data`` and ``tokenizer`` as absolute paths: the run directory records them, and ``eval`` or
     ``--resume`` may read it from another working directory."""
-    paths = {k: os.path.abspath(os.path.expanduser(v)) for k in ("data", "tokenizer") if (v := getattr(cfg, k))}
-    return dataclasses.replace(cfg, **paths)
+    return dataclasses.replace(cfg, **{k: _absolute(v) for k in _PATH_FIELDS if (v := getattr(cfg, k))})
 
 
 class _StopRequest:
@@ -477,9 +492,9 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
         else:
             saved = json.loads(cfg_path.read_text())
             saved_train = dict(saved.get("train", {}))
-            for key in ("data", "tokenizer"):  # runs recorded before paths were made absolute
-                if isinstance(saved_train.get(key), str) and not os.path.isabs(saved_train[key]):
-                    saved_train[key] = os.path.abspath(os.path.expanduser(saved_train[key]))
+            for key in _PATH_FIELDS:  # runs recorded before paths were made absolute
+                if isinstance(saved_train.get(key), str):
+                    saved_train[key] = _absolute(saved_train[key])
             saved_id = {
                 "model": saved.get("model", {}),
                 "train": saved_train,
@@ -619,7 +634,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
                                "tokens_per_s": None if tps is None else round(tps, 1), "wall_s": round(wall(), 3),
                                "grad_norm": float(grad_norm)})
                     window_tokens, window_s = 0, 0.0
-                if done % ckpt_every == 0 or done == end:
+                if done % ckpt_every == 0 or done == end or stop.requested:
                     checkpoint(done)
                 if bar is not None:
                     post = {"loss": f"{last_train:.4f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
@@ -627,9 +642,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env) -> dict:
                         post["val"] = f"{last_val:.4f}"
                     bar.set_postfix(post, refresh=False)
                     bar.update(1)
-                if stop.requested:
-                    if not (done % ckpt_every == 0 or done == end):
-                        checkpoint(done)
+                if stop.requested:  # checkpointed above
                     stopped = done
                     _log(f"{out}: stopped at step {done}/{cfg.steps}; continue with --resume")
                     break
@@ -714,11 +727,9 @@ def _none_or(conv):
 
 def _arg_type(tp: Any):
     """(argparse type, is_bool) for a resolved dataclass field type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        base, is_bool = _arg_type(inner[0]) if len(inner) == 1 else (json.loads, False)
+    inner, optional = _optional(tp)
+    if optional:
+        base, is_bool = (json.loads, False) if inner is Any else _arg_type(inner)
         return _none_or(base), is_bool
     if tp is bool:
         return None, True
@@ -838,8 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not _dp.is_main():
         return 0
-    print(json.dumps({k: summary.get(k) for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
-                                                  "params", "tokens_per_s", "wall_s")}))
+    print(json.dumps({k: summary[k] for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
+                                              "params", "tokens_per_s", "wall_s")}))
     return 130 if summary.get("interrupted") else 0
 
 

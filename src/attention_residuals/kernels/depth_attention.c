@@ -238,16 +238,15 @@ static char *launch(worker_t work, const job_t *proto, int nt, size_t bytes) {
 }
 
 #define DEFINE_KERNELS(SUF, T, ACC, LOAD, STORE, EXP, LOG, SQRT, V, VW, VLOAD, PUT, ALOAD, ASTORE, VSUM) \
-/* *a = sum x^2, *b = sum x.q over n channels, prefetching the bytes at pf on (if not NULL; every  \
- * caller passes the row's own address plus PREFETCH_BYTES: in this form the loop measured ~10 %  \
- * faster than computing that address inside) */                                                  \
+/* *a = sum x^2, *b = sum x.q over n channels, prefetching the bytes at pf on (every caller passes  \
+ * the row's own address plus PREFETCH_BYTES: in this form the loop measured ~10 % faster than    \
+ * computing that address inside) */                                                              \
 static inline void reduce2_##SUF(const T *restrict x, const ACC *restrict q, int64_t n, const char *pf, \
                                  ACC *a, ACC *b) {                                                \
     V a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};             \
     int64_t c = 0;                                                                                \
     for (; c + 4 * VW <= n; c += 4 * VW) {                                                        \
-        if (pf)                                                                                   \
-            for (size_t o = 0; o < 4 * VW * sizeof(T); o += 64) __builtin_prefetch(pf + c * sizeof(T) + o, 0, 3); \
+        for (size_t o = 0; o < 4 * VW * sizeof(T); o += 64) __builtin_prefetch(pf + c * sizeof(T) + o, 0, 3); \
         const V x0 = VLOAD(x + c), x1 = VLOAD(x + c + VW), x2 = VLOAD(x + c + 2 * VW), x3 = VLOAD(x + c + 3 * VW); \
         a0 += x0 * x0; a1 += x1 * x1; a2 += x2 * x2; a3 += x3 * x3;                               \
         b0 += x0 * ALOAD(q + c); b1 += x1 * ALOAD(q + c + VW);                                    \
