@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from attention_residuals import data
 from attention_residuals.data import (
     Corpus,
     byte_decode,
@@ -150,3 +151,38 @@ def test_corpus_from_text_and_byte_roundtrip():
     assert byte_decode(byte_encode("héllo")) == "héllo"
     with pytest.raises(ValueError, match="seq_len"):
         c.check_fits(10_000)
+
+
+def test_stdlib_prose_keeps_docstrings_and_comments_not_code():
+    src = b'''"""Module doc.
+
+>>> 1 + 1
+2
+"""
+# A comment that
+# goes on.
+x = 1  # noqa
+def f():
+    """Say hello."""
+    return "not prose"
+'''
+    text = data.stdlib_prose(src).decode()
+    assert "Module doc." in text and "Say hello." in text and "A comment that goes on." in text
+    assert ">>>" not in text and "not prose" not in text and "noqa" not in text and "x = 1" not in text
+    assert data.stdlib_prose(b"def (:\n") == b""  # a file that does not parse has no prose
+
+
+def test_prose_corpus_split_by_file_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "cache"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(6):
+        (lib / f"m{i}.py").write_text(f'"""Docs of module {i}."""\n# comment {i}\nx = {i}\n')
+    (lib / "bare.py").write_text("x = 1\n")  # no prose: left out
+    c = data.load_stdlib_corpus(root=lib, prose=True)
+    assert c.source == data.STDLIB_DOCS and len(c.train_files) + len(c.val_files) == 6
+    assert b"x = " not in bytes(c.train) + bytes(c.val)
+    assert list((tmp_path / "cache" / "prose").glob("*.json"))
+    data._STDLIB_MEMO.clear()
+    again = data.load_stdlib_corpus(root=lib, prose=True)
+    assert again.sha256 == c.sha256 and bytes(again.train) == bytes(c.train)

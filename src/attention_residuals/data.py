@@ -26,14 +26,18 @@ the global batch (the union over ranks is the same whatever the world size).
 
 from __future__ import annotations
 
+import ast
 import codecs
 import glob as globlib
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import sysconfig
 import tempfile
+import tokenize
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BUILTIN_CORPORA",
     "BYTE_TOKENIZER",
     "Corpus",
     "byte_decode",
@@ -54,12 +59,15 @@ __all__ = [
     "resolve_data_files",
     "split_files",
     "stdlib_files",
+    "stdlib_prose",
     "token_dtype",
 ]
 
 BYTE_TOKENIZER = "bytes"
 DEFAULT_VAL_FRACTION = 0.05
 STDLIB = "stdlib"
+STDLIB_DOCS = "stdlib-docs"
+BUILTIN_CORPORA = (STDLIB, STDLIB_DOCS)
 _CACHE_FORMAT = 1  # bump when the token-cache layout changes
 _CHUNK = 1 << 20
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -395,9 +403,13 @@ def load_corpus(
     Errors name ``--data``: ``FileNotFoundError`` for a missing path, ``ValueError`` for an empty
     file/folder or a file that is not UTF-8 text.
     """
-    if data is None or os.fspath(data) == STDLIB:
+    if data is None or os.fspath(data) in BUILTIN_CORPORA:
         return load_stdlib_corpus(
-            encode=encode, vocab_size=vocab_size, tokenizer_id=tokenizer_id, val_fraction=val_fraction
+            encode=encode,
+            vocab_size=vocab_size,
+            tokenizer_id=tokenizer_id,
+            val_fraction=val_fraction,
+            prose=data is not None and os.fspath(data) == STDLIB_DOCS,
         )
     spec = os.fspath(data)
     what = f"--data {spec!r}"
@@ -478,6 +490,78 @@ def load_corpus(
 
 
 _STDLIB_MEMO: dict[tuple, Corpus] = {}
+_PRAGMA = re.compile(r"^(-\*-|!|noqa|type:|pragma|fmt:|pylint|isort)", re.IGNORECASE)
+
+
+def _doctest_free(text: str) -> str:
+    """``text`` without its doctest paragraphs (a blank-line separated paragraph holding ``>>>``)."""
+    paragraphs = re.split(r"\n\s*\n", text)
+    return "\n\n".join(p for p in paragraphs if ">>>" not in p).strip()
+
+
+def stdlib_prose(source: bytes) -> bytes:
+    """The English of one Python file: its docstrings (module, class, function; ``ast``, cleaned,
+    doctest paragraphs dropped) then its comments (``tokenize``; consecutive comment lines joined
+    into one paragraph; pragmas, coding lines and lines without a letter dropped), as UTF-8.
+
+    A file that does not parse gives ``b""``. Why this corpus: natural language that every Python
+    installation carries (no download), deterministic for a given Python version, and written by
+    many hands about many subjects — the prose counterpart of the code corpus."""
+    try:
+        tree = ast.parse(source)
+        toks = list(tokenize.tokenize(io.BytesIO(source).readline))
+    except (SyntaxError, ValueError, tokenize.TokenError, UnicodeDecodeError):
+        return b""
+    parts = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=True)
+            doc = _doctest_free(doc) if doc else ""
+            if doc:
+                parts.append(doc)
+    paragraph: list[str] = []
+    last_row = -2
+    for tok in toks:
+        if tok.type != tokenize.COMMENT:
+            continue
+        text = tok.string.lstrip("#").strip()
+        if not re.search(r"[A-Za-z]", text) or _PRAGMA.match(text):
+            continue
+        if tok.start[0] != last_row + 1 and paragraph:
+            parts.append(" ".join(paragraph))
+            paragraph = []
+        paragraph.append(text)
+        last_row = tok.start[0]
+    if paragraph:
+        parts.append(" ".join(paragraph))
+    return ("\n\n".join(parts) + "\n").encode("utf-8") if parts else b""
+
+
+_PROSE_FORMAT = 1  # bump when stdlib_prose changes what it extracts
+
+
+def _cached_prose(rels: list[str], sources: list[bytes]) -> list[bytes]:
+    """:func:`stdlib_prose` of every file, cached under the token cache keyed by the sources' hash
+    (extracting takes tens of seconds; the cache is written atomically and re-extracted if unreadable)."""
+    key = hashlib.sha256(f"prose{_PROSE_FORMAT}".encode())
+    for rel, src in zip(rels, sources):
+        key.update(f"{rel}\0{hashlib.sha256(src).hexdigest()}\n".encode())
+    path = default_cache_dir() / "prose" / f"{key.hexdigest()[:24]}.json"
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        if len(cached) == len(rels):
+            return [c.encode("utf-8") for c in cached]
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    out = [stdlib_prose(src) for src in sources]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".prose-", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump([b.decode("utf-8") for b in out], f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return out
 
 
 def load_stdlib_corpus(
@@ -487,25 +571,27 @@ def load_stdlib_corpus(
     tokenizer_id: str | None = None,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     root: str | os.PathLike | None = None,
+    prose: bool = False,
 ) -> Corpus:
-    """The default corpus: this Python's standard-library ``.py`` files, split by file.
+    """The built-in corpora: this Python's standard-library ``.py`` files (``stdlib``: code) or
+    their docstrings and comments (``prose=True``, ``stdlib-docs``: English, :func:`stdlib_prose`),
+    split by file; files without prose are left out.
 
-    Byte tokens are the files' raw bytes (no decoding); a custom ``encode`` sees each file decoded
+    Byte tokens are the raw bytes (no decoding); a custom ``encode`` sees each file decoded
     as UTF-8 (undecodable bytes replaced). Memoised per process.
     """
     base, rels = stdlib_files(root)
-    if len(rels) < 2:
-        raise FileNotFoundError(f"standard library at {base} has fewer than 2 .py files")
     tok = _tokenizer_id(encode, tokenizer_id)
-    memo_key = (str(base), tok, vocab_size, val_fraction)
+    memo_key = (str(base), tok, vocab_size, val_fraction, prose)
     if memo_key in _STDLIB_MEMO:
         return _STDLIB_MEMO[memo_key]
-    blobs = []
-    entries = []
-    for rel in rels:
-        b = (base / rel).read_bytes()
-        blobs.append(b)
-        entries.append((rel, hashlib.sha256(b).hexdigest(), len(b)))
+    blobs = [(base / rel).read_bytes() for rel in rels]
+    if prose:
+        blobs = _cached_prose(rels, blobs)
+        rels, blobs = [r for r, b in zip(rels, blobs) if b], [b for b in blobs if b]
+    entries = [(rel, hashlib.sha256(b).hexdigest(), len(b)) for rel, b in zip(rels, blobs)]
+    if len(rels) < 2:
+        raise FileNotFoundError(f"standard library at {base} has fewer than 2 .py files{' with prose' * prose}")
     tr, va = split_files(rels, val_fraction)
     dtype = token_dtype(vocab_size)
 
@@ -526,7 +612,7 @@ def load_stdlib_corpus(
         val=tokens(va),
         vocab_size=vocab_size,
         sha256=_corpus_sha(entries),
-        source=STDLIB,
+        source=STDLIB_DOCS if prose else STDLIB,
         tokenizer=tok,
         train_files=[rels[i] for i in tr],
         val_files=[rels[i] for i in va],

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .report import new_figure
 
@@ -46,6 +47,8 @@ SUBCOMMANDS: dict[str, str] = {
     "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
     "analysis": "hidden-state magnitudes, gradient norms and depth weights of three trained models",
     "shape": "width vs depth (d_model / n_layer) at about fixed parameters, PreNorm and Block AttnRes",
+    "budget": "the AttnRes advantage vs training tokens per parameter (1 to 20), two depths, code and prose corpora",
+    "lr": "at the largest budget: each variant at its own best learning rate (a sweep) beside the shared one",
     "report": "gather the finished experiments under --root into <root>/README.md",
 }
 EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
@@ -88,18 +91,28 @@ class Budget:
     shapes: tuple[tuple[int, int, int], ...] = ()  # (d_model, n_layer, n_head) at ~ the mid model's parameters
     lr: float = 3e-3
     warmup: int = 50
+    # the budget study: model shapes (d_model, n_layer, n_head), tokens per parameter, corpora, lr sweep
+    study_shapes: tuple[tuple[int, int, int], ...] = ()
+    tokens_per_param: tuple[float, ...] = ()
+    corpora: tuple[str, ...] = ("stdlib",)
+    lrs: tuple[float, ...] = ()
 
 
 BUDGETS: dict[str, Budget] = {
     # seconds in all: checks the pipeline end to end, not the numbers
     "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
-                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), shapes=((32, 4, 2), (48, 2, 2)), warmup=2),
+                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), shapes=((32, 4, 2), (48, 2, 2)), warmup=2,
+                    study_shapes=((16, 1, 2), (16, 2, 2)), tokens_per_param=(0.02, 0.05),
+                    corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3)),
     # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
     "full": Budget(steps=500, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
                    sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
                    mid=(96, 8, 4),
                    # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
-                   shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4))),
+                   shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
+                   # d 64 at 12 and 24 sublayers (0.34M / 0.64M parameters); 20 tokens/param ~ 6.7M / 13M tokens
+                   study_shapes=((64, 6, 4), (64, 12, 4)), tokens_per_param=(1.0, 4.0, 20.0),
+                   corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3, 1e-2)),
 }
 
 
@@ -131,6 +144,61 @@ def ablation_variants(n_layer: int, d_model: int) -> dict[str, dict]:
         "ours_lowrank_query": {"residual": "block", "block_size": 4, "query": "lowrank", "query_rank": 8},
         "ours_intra_gate": {"residual": "block", "block_size": 4, "intra_gate": True},
     }
+
+
+def study_variants(n_layer: int, n_head: int) -> dict[str, dict]:
+    """The budget study's variants: the baseline, Block (N ~ 8) and Full AttnRes, each with one
+    pseudo-query and with one per attention head (``heads = n_head``: d / H as in attention)."""
+    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    return {
+        "prenorm": {"residual": "prenorm"},
+        "block": block,
+        "full": {"residual": "full"},
+        f"block_h{n_head}": {**block, "heads": n_head},
+        f"full_h{n_head}": {"residual": "full", "heads": n_head},
+    }
+
+
+def baseline_params(d: int, n_layer: int, n_head: int, vocab_size: int = 256) -> int:
+    """All parameters of the PreNorm model of this shape: the N of tokens per parameter (every
+    variant of a shape trains on the same tokens; AttnRes adds d per sublayer)."""
+    from .model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d)).num_params(
+            non_embedding=False
+        )
+
+
+def study_steps(d: int, n_layer: int, n_head: int, tokens_per_param: float, budget: Budget) -> int:
+    """Optimizer steps that train ``tokens_per_param`` tokens per (baseline) parameter."""
+    tokens = tokens_per_param * baseline_params(d, n_layer, n_head)
+    return max(1, round(tokens / (budget.batch_size * budget.seq_len)))
+
+
+def _study_schedule(steps: int, budget: Budget) -> dict:
+    """Per-run schedule of a study run: its own full cosine over ``steps``, warmup 5 % (>= 2 steps),
+    about ten evaluations and checkpoints."""
+    return {"steps": steps, "warmup": max(2, steps // 20), "eval_interval": max(1, steps // 10),
+            "log_interval": max(1, steps // 50)}
+
+
+def _corpus_tag(data: str) -> str:
+    return "code" if data == "stdlib" else "prose" if data == "stdlib-docs" else data
+
+
+def _study_spec(budget: Budget, data: str, shape: tuple[int, int, int], tpp: float, variant: str, o: dict,
+                seed: int, lr: float | None = None) -> RunSpec:
+    d, n_layer, n_head = shape
+    steps = study_steps(d, n_layer, n_head, tpp, budget)
+    cfg = {**_model(d, n_layer, n_head), **_study_schedule(steps, budget), **o}
+    if data != "stdlib":
+        cfg["data"] = data
+    if lr is not None and lr != budget.lr:  # the shared lr keeps the budget study's key: one run, not two
+        cfg.update(lr=lr, min_lr=lr / 10)
+    group = f"{_corpus_tag(data)}_L{2 * n_layer}"
+    lr_tag = f"_lr{lr:g}" if lr is not None else ""
+    return RunSpec(f"{group}_tpp{tpp:g}_{variant}{lr_tag}_s{seed}", variant, cfg, seed, group)
 
 
 def specs(experiment: str, budget: Budget) -> list[RunSpec]:
@@ -173,6 +241,22 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
             for v, o in {"prenorm": {"residual": "prenorm"},
                          "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
                 out.append(RunSpec(f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"))
+    elif experiment == "budget":
+        # ordered so that finished runs answer the first question first: the shallow model on code,
+        # then on prose, budgets ascending, seeds in turn; then the deeper model
+        for shape in budget.study_shapes:
+            for data in budget.corpora:
+                for tpp in budget.tokens_per_param:
+                    for seed in range(budget.seeds):
+                        for v, o in study_variants(shape[1], shape[2]).items():
+                            out.append(_study_spec(budget, data, shape, tpp, v, o, seed))
+    elif experiment == "lr":
+        shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
+        for data in budget.corpora:
+            for seed in range(budget.seeds):
+                for lr in budget.lrs:
+                    for v, o in study_variants(shape[1], shape[2]).items():
+                        out.append(_study_spec(budget, data, shape, tpp, v, o, seed, lr))
     else:
         raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
     return out
@@ -217,18 +301,20 @@ def check_budget(exp_dir: str | Path, budget_name: str) -> None:
 
 def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path | None = None,
                    only: list[str] | None = None, shard: tuple[int, int] | None = None,
-                   force: bool = False) -> dict | None:
+                   force: bool = False, partial: bool = False) -> dict | None:
     """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot.
 
     ``root`` defaults to ``DEFAULT_ROOTS[budget_name]`` (quick: ``runs/experiments``, full:
     ``results``). Results of a bigger budget already in ``<root>/<experiment>`` are not replaced
     (:class:`BudgetClash`) unless ``force``. ``shard=(i, n)`` trains only every n-th run starting
     at i (for n parallel processes) and skips the tables; a final call without ``shard`` finds
-    every run done and tabulates."""
+    every run done and tabulates. ``partial`` trains nothing and tabulates the runs finished so far
+    (a long study's interim tables; their meta counts the finished and the planned runs)."""
     if budget_name not in BUDGETS:
         raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
     if experiment not in EXPERIMENTS:
         raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    only = set(only) if only else None
     root = DEFAULT_ROOTS[budget_name] if root is None else root
     budget = BUDGETS[budget_name]
     exp_dir = Path(root) / experiment
@@ -240,11 +326,28 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
     from .data import load_corpus
     from .train import load_summary, train
 
-    todo = [s for s in specs(experiment, budget) if not only or s.variant in only or s.name in only]
+    todo = [s for s in specs(experiment, budget) if not only or only & {s.variant, s.name, s.group}]
     train_list = todo if shard is None else todo[shard[0]::shard[1]]
-    corpus = load_corpus(None, vocab_size=256)
+    corpora: dict[str, Any] = {}
+
+    def corpus_of(spec: RunSpec):
+        data = spec.overrides.get("data", "stdlib")
+        if data not in corpora:
+            corpora[data] = load_corpus(data, vocab_size=256)
+        return corpora[data]
+
     t0 = time.time()
     summaries: dict[str, dict] = {}
+    if partial:
+        train_list, shard = [], None
+        for spec in todo:
+            done = load_summary(Path(root) / "runs" / run_key(spec, budget_name))
+            if done and done.get("done"):
+                summaries[spec.name] = done
+        planned, todo = len(todo), [s for s in todo if s.name in summaries]
+        if not todo:
+            print(f"--partial: no run of {experiment} is finished yet", file=sys.stderr)
+            return None
     bar = tqdm(train_list, desc=f"{experiment} ({budget_name})", unit="run", file=sys.stderr)
     for spec in bar:
         run_dir = Path(root) / "runs" / run_key(spec, budget_name)
@@ -253,11 +356,11 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
         if done and done.get("done"):
             summaries[spec.name] = done
             continue
-        summaries[spec.name] = train(_train_config(spec, budget, run_dir), corpus=corpus)
+        summaries[spec.name] = train(_train_config(spec, budget, run_dir), corpus=corpus_of(spec))
     bar.close()
     if shard is not None:
         return None
-    if only:  # the tables cover the whole experiment: only once every one of its runs is finished
+    if only and not partial:  # the tables cover the whole experiment: only once every one of its runs is finished
         for spec in specs(experiment, budget):
             if spec.name not in summaries:
                 done = load_summary(Path(root) / "runs" / run_key(spec, budget_name))
@@ -270,12 +373,17 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
     meta = {
         "experiment": experiment, "budget": budget_name, "budget_config": budget.__dict__,
         "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
-        "corpus_sha256": corpus.info()["sha256"], "wall_s_this_invocation": round(time.time() - t0, 1),
+        "corpus_sha256": corpus_of(RunSpec("", "", {})).info()["sha256"],
+        "corpora_sha256": {_corpus_tag(d): corpus_of(RunSpec("", "", {"data": d})).info()["sha256"]
+                           for d in sorted({s.overrides.get("data", "stdlib") for s in todo})},
+        "wall_s_this_invocation": round(time.time() - t0, 1),
         "train_s_total": round(sum(s.get("train_s", 0.0) for s in summaries.values()), 1),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
     }
+    if partial:
+        meta.update(command=meta["command"] + " --partial", runs_finished=len(todo), runs_planned=planned)
     analyse = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis,
-               "shape": _shape}[experiment]
+               "shape": _shape, "budget": _budget, "lr": _lr}[experiment]
     exp_dir.mkdir(parents=True, exist_ok=True)
     results = analyse(todo, summaries, exp_dir, budget, meta)
     results["run_dirs"] = {spec.name: summaries[spec.name]["run_dir"] for spec in todo}
@@ -517,6 +625,104 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
     return {"rows": rows, "best_d_over_L": {v: x for v, (x, _) in best.items()}}
 
 
+def _paired_deltas(todo, summaries, key) -> dict:
+    """``{key(spec): {variant: {seed: val loss}}}`` over the finished runs."""
+    out: dict = {}
+    for spec in todo:
+        out.setdefault(key(spec), {}).setdefault(spec.variant, {})[spec.seed] = _final(summaries[spec.name])
+    return out
+
+
+def _delta_cell(losses: dict[int, float], base: dict[int, float]) -> dict:
+    """Δ = variant − baseline, paired by seed: mean, the per-seed values, and their spread."""
+    deltas = [losses[s] - base[s] for s in sorted(losses) if s in base]
+    return {"mean": float(np.mean(deltas)) if deltas else float("nan"), "per_seed": deltas,
+            "spread": float(max(deltas) - min(deltas)) if len(deltas) > 1 else 0.0}
+
+
+def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
+    """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
+    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+    cells = _paired_deltas(todo, summaries, lambda sp: (sp.group, tpp_of[sp.name]))
+    rows = []
+    for (group, tpp), by_var in sorted(cells.items()):
+        base = by_var.get("prenorm", {})
+        some = next(s for s in todo if s.group == group and tpp_of[s.name] == tpp)
+        row = {"group": group, "tokens_per_param": tpp, "tokens": summaries[some.name]["tokens"],
+               "steps": some.overrides["steps"], "prenorm": _mean_std(list(base.values())) if base else None,
+               "deltas": {v: _delta_cell(ls, base) for v, ls in by_var.items() if v != "prenorm" and base}}
+        rows.append(row)
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    fig = new_figure((5.2 * len(groups), 4))
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    for ax, group in zip(axes, groups):
+        variants = list(dict.fromkeys(v for r in rows if r["group"] == group for v in r["deltas"]))
+        for v in variants:
+            pts = [(r["tokens_per_param"], r["deltas"][v]) for r in rows if r["group"] == group and v in r["deltas"]]
+            line = ax.plot([t for t, _ in pts], [c["mean"] for _, c in pts], "o-", label=v)[0]
+            for t, c in pts:
+                ax.plot([t] * len(c["per_seed"]), c["per_seed"], ".", color=line.get_color(), alpha=0.5)
+        ax.axhline(0.0, color="gray", ls="--", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens per parameter")
+        ax.set_ylabel("Δ val loss vs PreNorm (nats; < 0: better)")
+        ax.set_title(group.replace("_", ", ").replace("L", "L = ", 1))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(exp_dir / "budget.png", dpi=120)
+    variants = list(dict.fromkeys(v for r in rows for v in r["deltas"]))
+    lines = ["| corpus, sublayers | tokens/param | tokens | steps | PreNorm val loss | "
+             + " | ".join(f"Δ {v}" for v in variants) + " |", "|---" * (5 + len(variants)) + "|"]
+    for r in rows:
+        pre = f"{r['prenorm'][0]:.4f} ± {r['prenorm'][1]:.4f}" if r["prenorm"] else "—"
+        cell = [(f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})" if (c := r["deltas"].get(v))
+                 else "—") for v in variants]
+        lines.append(f"| {r['group']} | {r['tokens_per_param']:g} | {r['tokens']:,} | {r['steps']} | {pre} | "
+                     + " | ".join(cell) + " |")
+    lines += ["", "Δ = variant − PreNorm final validation loss, paired by seed: the mean, then each seed's Δ in "
+              "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
+              f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model."]
+    if "runs_planned" in meta:
+        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"rows": rows}
+
+
+def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
+    """Per corpus: every variant's mean val loss at each lr, its best lr, and Δ vs PreNorm at the
+    shared lr and at each one's best lr."""
+    lr_of = {s.name: float(s.overrides.get("lr", budget.lr)) for s in todo}
+    table: dict = {}
+    for spec in todo:
+        t = table.setdefault(spec.group, {}).setdefault(spec.variant, {}).setdefault(lr_of[spec.name], {})
+        t[spec.seed] = _final(summaries[spec.name])
+    out, lines = {}, []
+    for group, by_var in table.items():
+        lrs = sorted({lr for v in by_var.values() for lr in v})
+        best = {v: min(per_lr, key=lambda lr: np.mean(list(per_lr[lr].values()))) for v, per_lr in by_var.items()}
+        base = by_var.get("prenorm", {})
+        lines += [f"**{group}**", "", "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs)
+                  + " | best lr | Δ at shared lr | Δ at own best lr |", "|---" * (4 + len(lrs)) + "|"]
+        out[group] = {}
+        for v, per_lr in by_var.items():
+            cells = [f"{np.mean(list(per_lr[lr].values())):.4f} ± {_mean_std(list(per_lr[lr].values()))[1]:.4f}"
+                     if lr in per_lr else "—" for lr in lrs]
+            shared = _delta_cell(per_lr.get(budget.lr, {}), base.get(budget.lr, {})) if base else None
+            own = _delta_cell(per_lr[best[v]], base[best["prenorm"]]) if base else None
+            fmt = [("—" if v == "prenorm" or c is None or not c["per_seed"] else f"{c['mean']:+.4f}")
+                   for c in (shared, own)]
+            lines.append(f"| {v} | " + " | ".join(cells) + f" | {best[v]:g} | {fmt[0]} | {fmt[1]} |")
+            out[group][v] = {"per_lr": {str(lr): per_lr[lr] for lr in per_lr}, "best_lr": best[v],
+                             "delta_shared_lr": shared, "delta_best_lr": own}
+        lines.append("")
+    lines += [f"Val loss mean ± std over seeds; the shared lr is {budget.lr:g}. Δ = variant − PreNorm paired by "
+              "seed, at the shared lr and with each variant (PreNorm included) at its own best lr."]
+    if "runs_planned" in meta:
+        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"table": out}
+
+
 # ---------------------------------------------------------------- report
 
 def write_report(root: str | Path = "results") -> Path:
@@ -566,9 +772,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{REPORT_ROOT}, or the budget's root when --budget is given)")
     p.add_argument("--force", action="store_true",
                    help="replace results made with a bigger budget (default: refuse)")
-    p.add_argument("--only", nargs="*", help="restrict to these variants or run names (default: all)")
+    p.add_argument("--only", nargs="*", help="restrict to these variants, run names or groups (default: all)")
     p.add_argument("--shard", help="I/N: train only every N-th run from the I-th (N processes in parallel); "
                                    "no tables (default: all runs, then the tables)")
+    p.add_argument("--partial", action="store_true",
+                   help="train nothing; tabulate the runs finished so far (interim tables of a long study)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of this process (default: torch's)")
     return p
 
@@ -599,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget or "quick"
     root = args.root or DEFAULT_ROOTS[budget]
     try:
-        result = run_experiment(args.experiment, budget, root, args.only, shard, force=args.force)
+        result = run_experiment(args.experiment, budget, root, args.only, shard, force=args.force,
+                                partial=args.partial)
     except BudgetClash as exc:
         print(f"attnres experiment: error: {exc}", file=sys.stderr)
         return 2
