@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from attention_residuals import cli  # noqa: E402
 from attention_residuals.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
 from attention_residuals.data import byte_encode  # noqa: E402
-from attention_residuals.hf import AttnResConfig, AttnResForCausalLM, export_hf, from_gpt, to_gpt  # noqa: E402
+from attention_residuals.integrations.hf import AttnResConfig, AttnResForCausalLM, export_hf, from_gpt, to_gpt  # noqa: E402
+from attention_residuals.connections import ResidualConfig  # noqa: E402
 from attention_residuals.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def idx():
 
 def test_config_aliases_and_validation(tmp_path):
     c = AttnResConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, residual="full")
-    assert (c.d_model, c.n_layer, c.n_head, c.residual) == (48, 3, 4, "full")
+    assert (c.d_model, c.n_layer, c.n_head, c.residual["rule"]) == (48, 3, 4, "full")
     assert c.hidden_size == 48 and c.num_hidden_layers == 3 and c.tie_word_embeddings is False
     g = c.to_gpt_config()
     assert g == GPTConfig(d_model=48, n_layer=3, n_head=4, residual="full")
@@ -50,6 +51,9 @@ def test_config_aliases_and_validation(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "attnres"
     with pytest.raises(ValueError, match="residual"):
         AttnResConfig(residual="nope")
+    # an export written before the residual config was nested (flat options, `heads`) still loads
+    old = AttnResConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, residual="block", n_blocks=3, heads=2)
+    assert old.to_gpt_config().residual == ResidualConfig("block", n_blocks=3, depth_heads=2)
     with pytest.raises(ValueError, match="contradicts"):
         AttnResConfig(hidden_size=32, d_model=64)
 

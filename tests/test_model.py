@@ -130,7 +130,7 @@ def test_rules_that_start_as_prenorm(residual, idx):
     "kw",
     [dict(residual="full"), dict(residual="full", block_size=4), dict(residual="block", block_size=2),
      dict(residual="block", block_size=4), dict(residual="block", block_size=6), dict(residual="block", n_blocks=2),
-     dict(residual="block", block_size=2, heads=4), dict(residual="full", key_norm=False),
+     dict(residual="block", block_size=2, depth_heads=4), dict(residual="full", key_norm=False),
      dict(residual="block", block_size=2, intra_gate=True)],
 )
 def test_two_phase_equals_plain(kw, idx):
@@ -139,7 +139,7 @@ def test_two_phase_equals_plain(kw, idx):
 
 
 @pytest.mark.parametrize("kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2),
-                                dict(residual="block", block_size=3, heads=2)])
+                                dict(residual="block", block_size=3, depth_heads=2)])
 def test_two_phase_gradients_equal_plain(kw, idx):
     """Training through the two-phase schedule: every parameter's gradient as the plain schedule's."""
     model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
@@ -155,7 +155,7 @@ def test_two_phase_gradients_equal_plain(kw, idx):
 
 @pytest.mark.parametrize("backend", ["compiled", "triton"])
 @pytest.mark.parametrize(
-    "kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2, heads=4),
+    "kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2, depth_heads=4),
            dict(residual="block", block_size=4, key_norm=False)]
 )
 def test_two_phase_inference_kernels_equal_plain(kw, backend, idx):
@@ -231,7 +231,7 @@ def test_depth_weights_rows_and_nan(idx):
     [(dict(residual="nope"), "residual"), (dict(residual="block", block_size=7), "block_size"),
      (dict(residual="block", n_blocks=0), "n_blocks"), (dict(residual="block", block_size=2, n_blocks=2), "n_blocks"),
      (dict(residual="block", n_blocks=4), r"n_blocks: 4 blocks do not fit L=6 .* fit: \[1, 2, 3, 6\]"),
-     (dict(d_model=30), "n_head"), (dict(residual="full", heads=5), "heads"), (dict(residual="full", query="x"), "query"),
+     (dict(d_model=30), "n_head"), (dict(residual="full", depth_heads=5), "depth_heads"), (dict(residual="full", query="x"), "query"),
      (dict(n_layer=0), "n_layer"), (dict(residual="full", intra_gate=True), "intra_gate"),
      (dict(residual="block", query="lowrank", query_rank=0), "query_rank"),
      (dict(mlp_hidden=-4), "mlp_hidden: expected a positive integer, or None"),
@@ -243,12 +243,12 @@ def test_depth_weights_rows_and_nan(idx):
      # options a rule would silently ignore
      (dict(n_blocks=3), r"n_blocks: only used by residual in \('full', 'block'\).*residual='prenorm'"),
      (dict(block_size=2), r"block_size: .*residual='prenorm'"),
-     (dict(query="input"), r"query: .*residual='prenorm'"), (dict(heads=2), r"heads: .*residual='prenorm'"),
+     (dict(query="input"), r"query: .*residual='prenorm'"), (dict(depth_heads=2), r"depth_heads: .*residual='prenorm'"),
      (dict(normalize="sigmoid"), "normalize"), (dict(key_norm=False), "key_norm"),
      (dict(window=4), r"window: only used by residual in \('swa',\).*residual='prenorm'"),
      (dict(streams=2), r"streams: .*residual='prenorm'"), (dict(residual="mhc", window=3), r"window: .*residual='mhc'"),
      (dict(residual="swa", block_size=2), r"block_size: .*residual='swa'"),
-     (dict(residual="denseformer", heads=2), r"heads: .*residual='denseformer'"),
+     (dict(residual="denseformer", depth_heads=2), r"depth_heads: .*residual='denseformer'"),
      (dict(residual="swa", intra_gate=True), "intra_gate"),
      (dict(residual="full", query_rank=4), r"query_rank: only used with query='lowrank'.*query='static'")],
 )
@@ -275,7 +275,7 @@ def test_mlp_hidden_none_is_the_default_width():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(residual="full", block_size=2), dict(residual="full", n_blocks=3), dict(residual="swa", window=2, heads=2),
+    "kw", [dict(residual="full", block_size=2), dict(residual="full", n_blocks=3), dict(residual="swa", window=2, depth_heads=2),
            dict(residual="mhc", streams=2), dict(residual="block", query="lowrank", query_rank=4)]
 )
 def test_rule_options_accepted_where_used(kw):
@@ -332,7 +332,7 @@ def test_bad_idx_type_and_targets():
 
 
 def test_config_round_trip():
-    cfg = tiny("block", n_blocks=3, heads=2)
+    cfg = tiny("block", n_blocks=3, depth_heads=2)
     assert GPTConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown"):
         GPTConfig.from_dict({**cfg.to_dict(), "bogus": 1})
@@ -342,7 +342,7 @@ def test_config_round_trip():
     "kw",
     [dict(residual=r) for r in RESIDUALS]
     + [dict(residual="full", query="input"), dict(residual="block", normalize="sigmoid", block_size=2),
-       dict(residual="block", heads=4, block_size=2), dict(residual="full", key_norm=False),
+       dict(residual="block", depth_heads=4, block_size=2), dict(residual="full", key_norm=False),
        dict(residual="block", key_norm=False, block_size=2), dict(residual="block", query="lowrank", query_rank=4),
        dict(residual="block", intra_gate=True, block_size=2)],
 )

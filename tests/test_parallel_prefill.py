@@ -25,7 +25,7 @@ BASE = dict(vocab_size=64, n_layer=3, n_head=2, d_model=32, seq_len=24, residual
 VARIANTS = {
     "plain": {},
     "partial_last_block": dict(block_size=4),  # L = 6, S = 4: the final readout sees a partial
-    "heads_cut_by_shard": dict(d_model=24, heads=3),  # depth heads of 8 channels, shards of 12
+    "heads_cut_by_shard": dict(d_model=24, depth_heads=3),  # depth heads of 8 channels, shards of 12
     "gate_no_keynorm": dict(intra_gate=True, key_norm=False),
 }
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from attention_residuals.patch import apply_attnres, find_decoder_layers, remove_attnres
+from attention_residuals.integrations.patch import apply_attnres, find_decoder_layers, remove_attnres
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -147,7 +147,7 @@ def test_patch_errors():
     apply_attnres(model, "block")
     with pytest.raises(ValueError, match="already applied"):
         apply_attnres(model, "block")
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="residual"):
         apply_attnres(tiny_llama(), "nope")
     with pytest.raises(ValueError, match="block_size"):
         apply_attnres(tiny_llama(), "block", block_size=7)

@@ -137,7 +137,7 @@ def test_tokenized_corpus_feeds_training(tmp_path, saved):
     # the run records its tokenizer (train.tokenizer), and export-hf ships it
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["data"]["tokenizer"] == hook.tokenizer_id and record["train"]["tokenizer"] == str(saved)
-    from attention_residuals.hf import export_hf
+    from attention_residuals.integrations.hf import export_hf
 
     export_hf(tmp_path / "run", tmp_path / "hf")
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -46,7 +46,7 @@ VARIANTS = [dict(residual=r) for r in RESIDUALS] + [
     dict(residual="block", n_blocks=2),
     dict(residual="full", query="input"),
     dict(residual="full", normalize="sigmoid"),
-    dict(residual="full", heads=2),
+    dict(residual="full", depth_heads=2),
     dict(residual="full", key_norm=False),
     dict(residual="block", block_size=2, key_norm=False),
     dict(residual="block", block_size=3),  # L = 4 not divisible by S: the last partial sum is the last block

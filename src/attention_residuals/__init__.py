@@ -1,7 +1,8 @@
 """Attention Residuals (AttnRes): softmax attention over depth in place of residual connections."""
 
-from .connections import RESIDUALS, Connection, make_connection
+from .connections import RESIDUALS, RULES, Connection, ResidualConfig, make_connection
 from .functional import DepthState, depth_state, depth_state_batched, merge_states, rms_norm
+from .integrations.patch import apply_attnres, remove_attnres
 from .kernels import depth_attention
 from .model import GPT, GPTConfig
 
@@ -9,8 +10,12 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "RESIDUALS",
+    "RULES",
     "Connection",
+    "ResidualConfig",
+    "apply_attnres",
     "make_connection",
+    "remove_attnres",
     "DepthState",
     "depth_attention",
     "depth_state",

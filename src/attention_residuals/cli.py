@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, Help]] = {
     "bench": ("attention_residuals.bench", listing("attention_residuals.bench", "SUBCOMMANDS", "benchmarks ({}); JSON out")),
     "experiment": ("attention_residuals.experiments",
                    listing("attention_residuals.experiments", "SUBCOMMANDS", "the report's experiments at small scale ({})")),
-    "export-hf": ("attention_residuals.hf", "convert a run directory to a Hugging Face model folder"),
+    "export-hf": ("attention_residuals.integrations.hf", "convert a run directory to a Hugging Face model folder"),
     "tokenizer": ("attention_residuals.tokenizer", "train a BPE tokenizer on local text"),
 }
 

@@ -9,7 +9,7 @@ A Transformer with ``L`` sublayers (each attention and each MLP is its own layer
         residual.write(state, l, v)
     out = residual.final(state)                    # what the final norm and LM head see
 
-Rules (``make_connection(name, ...)``):
+Rules (``make_connection(residual, ...)``, the registry :data:`RULES`):
 
 - ``prenorm``: ``h_{l+1} = h_l + v_l`` (the baseline: uniform sum of every earlier output).
 - ``full``: ``h_l = sum_{i<=l} softmax_i(w_l . RMSNorm(v_i)) v_i`` over the embedding and all outputs.
@@ -21,29 +21,111 @@ Rules (``make_connection(name, ...)``):
 - ``mhc``: mHC-lite, ``m`` residual streams mixed by a doubly-stochastic matrix built as a convex
   combination of permutation matrices (exact, no Sinkhorn iterations).
 
-The attention rules (``full``, ``block``, ``swa``) take ``query="static"|"input"|"lowrank"``,
-``normalize="softmax"|"sigmoid"``, ``heads`` and ``key_norm``. Every rule has one more query /
-weight row for the final readout (index ``L``). Queries are zero-initialised, so at step 0 every
-attention layer sees the mean of its sources.
+A rule and its options are one frozen :class:`ResidualConfig` (each option's default, help and
+check live in its field); a rule class names the options it reads in ``options``, and an option
+set away from its default with a rule that does not read it is an error. The attention rules
+(``full``, ``block``, ``swa``) take ``query="static"|"input"|"lowrank"``,
+``normalize="softmax"|"sigmoid"``, ``depth_heads`` and ``key_norm`` (``key_norm_gain``). Every rule
+has one more query / weight row for the final readout (index ``L``). Queries are zero-initialised,
+so at step 0 every attention layer sees the mean of its sources.
+
+"Heads" here are always *depth-attention* heads (``depth_heads``: d split into groups, one
+pseudo-query slice and one softmax over depth each), never the model's attention heads (``n_head``).
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .functional import DepthState, depth_logits, rms_norm
 from .kernels import depth_attention, depth_attention_merged, depth_states_batched
+from .typed import check_choices, check_field_types, field_default, option
 
-__all__ = ["RESIDUALS", "Connection", "ResidualState", "make_connection", "resolve_block_size"]
+__all__ = ["RESIDUALS", "RULES", "Connection", "ResidualConfig", "ResidualState", "make_connection",
+           "resolve_block_size"]
 
-RESIDUALS = ("prenorm", "full", "block", "denseformer", "mhc", "swa", "mixing")
 SCHEDULES = ("plain", "two_phase")
+# names an option had before (config files keep loading; code spelled the old way gets a clear error)
+LEGACY_NAMES = {"heads": "depth_heads", "residual": "rule"}
+
+
+@dataclass(frozen=True)
+class ResidualConfig:
+    """A depth-mixing rule and its options: the one home of each option's default, help and check.
+
+    ``rule`` names the rule (``--residual`` on the command line, ``residual=`` in
+    :class:`~attention_residuals.model.GPTConfig` and :func:`make_connection`). An option set away
+    from its default with a rule that does not read it (the rule class's ``options``) is an error,
+    not silently ignored. ``n_blocks``/``block_size`` are checked against the depth where the depth
+    is known (:func:`make_connection`).
+    """
+
+    rule: str = option("prenorm", "depth-mixing rule", flag="residual")
+    block_size: int | None = option(None, "Block AttnRes block size S, in sublayers (full: the two-phase group size)")
+    n_blocks: int | None = option(None, "Block AttnRes number of blocks N (instead of --block-size)")
+    query: str = option("static", "depth-attention query: static (learned vector per layer), input "
+                        "(projection of the hidden state), lowrank", choices=("static", "input", "lowrank"))
+    normalize: str = option("softmax", "depth-attention normalisation", choices=("softmax", "sigmoid"))
+    depth_heads: int = option(1, "depth-attention heads: d_model split into groups, one pseudo-query slice "
+                              "and softmax over depth each (not the model's attention heads, --n-head)")
+    key_norm: bool = option(True, "RMSNorm the depth-attention keys")
+    key_norm_gain: bool = option(False, "a learnable gain (one d-vector per layer, init 1) in the key RMSNorm, "
+                                 "as production AttnRes has; folded into the query: w.(g*k) = (g*w).k")
+    query_rank: int = option(8, "lowrank query: rank")
+    window: int = option(8, "swa: number of most recent sources attended")
+    streams: int = option(4, "mhc: number of residual streams m (1..6)")
+    intra_gate: bool = option(False, "block: gate the intra-block partial sum (2 sigmoid(c_l), init 1)")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.rule not in RULES:
+            raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.rule!r}")
+        check_choices(self)
+        for name in ("block_size", "n_blocks", "depth_heads", "query_rank", "window", "streams"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        reads = RULES[self.rule].options
+        for f in fields(self):
+            default = field_default(f)
+            if f.name != "rule" and f.name not in reads and getattr(self, f.name) != default:
+                users = tuple(r for r, cls in RULES.items() if f.name in cls.options)
+                raise ValueError(
+                    f"{f.name}: only used by residual in {users}, got {f.name}={getattr(self, f.name)!r} "
+                    f"with residual={self.rule!r} (leave it at its default {default!r})"
+                )
+        if self.query_rank != 8 and self.query != "lowrank":
+            raise ValueError(f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} "
+                             f"with query={self.query!r}")
+        if self.key_norm_gain and not self.key_norm:
+            raise ValueError("key_norm_gain: a gain of the key RMSNorm needs key_norm=True")
+        if self.block_size is not None and self.n_blocks is not None:
+            raise ValueError("block_size and n_blocks: give one of them, not both")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ResidualConfig:
+        """From :meth:`to_dict` or an older flat spelling (``residual``, ``heads``): config files of
+        earlier runs keep loading. Unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        renamed = {LEGACY_NAMES.get(k, k): v for k, v in data.items()}
+        unknown = set(renamed) - known
+        if unknown:
+            raise ValueError(f"ResidualConfig: unknown fields {sorted(unknown)}")
+        return cls(**renamed)
+
+    def replace(self, **changes: Any) -> ResidualConfig:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -72,10 +154,15 @@ class Connection(nn.Module):
     has_depth_weights = False
     #: whether the exact two-phase schedule applies
     supports_two_phase = False
+    #: the :class:`ResidualConfig` options this rule reads (any other must keep its default)
+    options: tuple[str, ...] = ()
+    #: the registry name (:data:`RULES`)
+    rule: str = ""
 
-    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6) -> None:
+    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None) -> None:
         super().__init__()
         self.n_layers, self.d_model, self.eps = n_layers, d_model, eps
+        self.config = config if config is not None else ResidualConfig(type(self).rule)
 
     def init_state(self, embedding: torch.Tensor, schedule: str = "plain", record: bool = False) -> ResidualState:
         if schedule not in SCHEDULES:
@@ -83,7 +170,7 @@ class Connection(nn.Module):
         if schedule == "two_phase" and not self.supports_two_phase:
             raise ValueError(f"schedule='two_phase' needs {self.two_phase_requirement()}")
         if record and not self.has_depth_weights:
-            raise ValueError(f"depth weights are not defined for residual={self.name!r}")
+            raise ValueError(f"depth weights are not defined for residual={self.rule!r}")
         return ResidualState(schedule=schedule, record={} if record else None)
 
     def two_phase_requirement(self) -> str:
@@ -98,13 +185,14 @@ class Connection(nn.Module):
     def final(self, state: ResidualState) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_normed(self, state: ResidualState, layer: int, norm: nn.Module) -> torch.Tensor:
+        """``norm(read(state, layer))``, the input of sublayer ``layer`` (its own RMSNorm applied).
+        The depth-attention rules override it to recompute the pair in backward."""
+        return norm(self.read(state, layer))
+
     def n_columns(self) -> int:
         """Number of distinct source columns in :meth:`GPT.depth_weights`."""
         return self.n_layers + 1
-
-    @property
-    def name(self) -> str:
-        return type(self).rule
 
 
 class PreNormResidual(Connection):
@@ -145,37 +233,26 @@ class DepthAttentionResidual(Connection):
     """
 
     has_depth_weights = True
+    options = ("query", "normalize", "depth_heads", "key_norm", "key_norm_gain", "query_rank")
 
-    def __init__(
-        self,
-        n_layers: int,
-        d_model: int,
-        eps: float = 1e-6,
-        *,
-        query: str = "static",
-        normalize: str = "softmax",
-        heads: int = 1,
-        key_norm: bool = True,
-        query_rank: int = 8,
-    ) -> None:
-        super().__init__(n_layers, d_model, eps)
-        if query not in ("static", "input", "lowrank"):
-            raise ValueError(f"query: expected 'static', 'input' or 'lowrank', got {query!r}")
-        if normalize not in ("softmax", "sigmoid"):
-            raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
-        if heads < 1 or d_model % heads:
-            raise ValueError(f"heads: must divide d_model={d_model}, got {heads}")
-        self.query_mode, self.normalize, self.heads, self.key_norm = query, normalize, heads, key_norm
+    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None) -> None:
+        super().__init__(n_layers, d_model, eps, config)
+        c = self.config
+        if d_model % c.depth_heads:
+            raise ValueError(f"depth_heads: must divide d_model={d_model}, got {c.depth_heads}")
+        self.query_mode, self.normalize, self.heads, self.key_norm = c.query, c.normalize, c.depth_heads, c.key_norm
         # one pseudo-query per layer plus one for the final readout; zero-init is essential
         self.queries = nn.Parameter(torch.zeros(n_layers + 1, d_model))
-        if query == "input":
+        if c.key_norm_gain:  # RMSNorm(v) * g inside the logits is the query g * w: kernels unchanged
+            self.key_gain = nn.Parameter(torch.ones(n_layers + 1, d_model))
+        if c.query == "input":
             self.query_proj = nn.Parameter(torch.zeros(n_layers + 1, d_model, d_model))
-        if query == "lowrank":
-            if not 1 <= query_rank <= d_model:
-                raise ValueError(f"query_rank: expected 1..d_model={d_model}, got {query_rank}")
-            self.query_down = nn.Parameter(torch.randn(n_layers + 1, d_model, query_rank) / math.sqrt(d_model))
-            self.query_up = nn.Parameter(torch.zeros(n_layers + 1, query_rank, d_model))
-        self.supports_two_phase = type(self).prefix_sources and query == "static" and normalize == "softmax"
+        if c.query == "lowrank":
+            if not 1 <= c.query_rank <= d_model:
+                raise ValueError(f"query_rank: expected 1..d_model={d_model}, got {c.query_rank}")
+            self.query_down = nn.Parameter(torch.randn(n_layers + 1, d_model, c.query_rank) / math.sqrt(d_model))
+            self.query_up = nn.Parameter(torch.zeros(n_layers + 1, c.query_rank, d_model))
+        self.supports_two_phase = type(self).prefix_sources and c.query == "static" and c.normalize == "softmax"
 
     #: whether every layer's sources start with all sources known at its group's first layer
     prefix_sources = False
@@ -188,8 +265,14 @@ class DepthAttentionResidual(Connection):
         """Layers per two-phase group (the block size)."""
         raise NotImplementedError
 
+    def static_queries(self, layers: int | list[int] | slice) -> torch.Tensor:
+        """The input-independent part of the queries of ``layers`` (``[d]`` or ``[len, d]``): the
+        pseudo-queries, times the key-norm gain when there is one."""
+        w = self.queries[layers]
+        return w * self.key_gain[layers] if self.config.key_norm_gain else w
+
     def query(self, layer: int, sources: list[torch.Tensor]) -> torch.Tensor:
-        w = self.queries[layer]
+        w = self.static_queries(layer)
         if self.query_mode == "input":
             w = w + rms_norm(sources[-1], self.eps) @ self.query_proj[layer].T / self.d_model
         elif self.query_mode == "lowrank":
@@ -197,17 +280,34 @@ class DepthAttentionResidual(Connection):
             w = w + rms_norm(sources[-1], self.eps) @ down @ up / up.shape[0]
         return w
 
+    #: recompute depth attention and the sublayer's RMSNorm in backward (:meth:`read_normed`)
+    recompute = True
+
     def _attend(self, state: ResidualState, layer: int) -> torch.Tensor:
         srcs, cols = self.sources(state, layer)
         if state.schedule == "two_phase":
             return self._attend_two_phase(state, layer, srcs)
-        q = self.query(layer, srcs)
         if state.record is not None:
+            q = self.query(layer, srcs)
             z = depth_logits(q, torch.stack(srcs), self.eps, heads=self.heads, key_norm=self.key_norm)
             w = torch.softmax(z, 0) if self.normalize == "softmax" else torch.sigmoid(z)
             state.record[layer] = (cols, w.detach().flatten(1, -1).mean(1))
+        return self._attend_sources(layer, *srcs)
+
+    def _attend_sources(self, layer: int, *srcs: torch.Tensor) -> torch.Tensor:
         # the sources as a list: the compiled kernel reads them in place (no stacked copy)
-        return depth_attention(q, srcs, self.eps, heads=self.heads, key_norm=self.key_norm, normalize=self.normalize)
+        return depth_attention(self.query(layer, list(srcs)), list(srcs), self.eps, heads=self.heads,
+                               key_norm=self.key_norm, normalize=self.normalize)
+
+    def read_normed(self, state, layer, norm):
+        """``norm(h_l)``. In training (grad enabled, plain schedule) the pair runs under
+        ``torch.utils.checkpoint``: backward keeps only the sources (which PreNorm keeps too, as its
+        residual stream) and recomputes ``h_l`` and its norm, so Block/Full AttnRes save as many
+        activations as the PreNorm baseline instead of one more ``[*batch, d]`` per sublayer."""
+        if not (self.recompute and torch.is_grad_enabled() and state.schedule == "plain" and state.record is None):
+            return norm(self._attend(state, layer))
+        srcs, _ = self.sources(state, layer)
+        return checkpoint(lambda *s: norm(self._attend_sources(layer, *s)), *srcs, use_reentrant=False)
 
     def _attend_two_phase(self, state: ResidualState, layer: int, srcs: list[torch.Tensor]) -> torch.Tensor:
         """Phase 1 once per group: every query of the group (and the final readout's, in the
@@ -219,14 +319,15 @@ class DepthAttentionResidual(Connection):
             layers = list(range(group * size, min((group + 1) * size, self.n_layers)))
             if layers[-1] == self.n_layers - 1:
                 layers.append(self.n_layers)  # the final readout joins the last group
-            batched = depth_states_batched(self.queries[layers], srcs, self.eps, heads=self.heads, key_norm=self.key_norm)
+            batched = depth_states_batched(self.static_queries(layers), srcs, self.eps, heads=self.heads,
+                                           key_norm=self.key_norm)
             state.phase1[group] = (batched, layers, len(srcs))
         batched, layers, covered = state.phase1[group]
         merged = batched[layers.index(layer)]
         rest = srcs[covered:]
         if not rest:
             return merged.output(srcs[0].dtype)
-        return depth_attention_merged(merged, self.queries[layer], rest, self.eps,
+        return depth_attention_merged(merged, self.static_queries(layer), rest, self.eps,
                                       heads=self.heads, key_norm=self.key_norm)
 
     def init_state(self, embedding, schedule="plain", record=False):
@@ -251,10 +352,12 @@ class FullAttnRes(DepthAttentionResidual):
 
     rule = "full"
     prefix_sources = True
+    options = DepthAttentionResidual.options + ("block_size", "n_blocks")
 
-    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int | None = None, **options):
-        super().__init__(n_layers, d_model, eps, **options)
-        self.block_size = block_size or max(1, math.ceil(n_layers / 8))
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
+        size = resolve_block_size(n_layers, self.config.block_size, self.config.n_blocks)
+        self.block_size = size or max(1, math.ceil(n_layers / 8))
 
     def sources(self, state, layer):
         return state.values, list(range(len(state.values)))
@@ -277,10 +380,13 @@ class BlockAttnRes(DepthAttentionResidual):
 
     rule = "block"
     prefix_sources = True
+    options = DepthAttentionResidual.options + ("block_size", "n_blocks", "intra_gate")
 
-    def __init__(self, n_layers, d_model, eps=1e-6, *, block_size: int, intra_gate: bool = False, **options):
-        super().__init__(n_layers, d_model, eps, **options)
-        self.block_size = block_size
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
+        size = resolve_block_size(n_layers, self.config.block_size, self.config.n_blocks)
+        self.block_size = size or math.ceil(n_layers / 8)  # the report's default: N ~ 8 blocks
+        intra_gate = self.config.intra_gate
         if intra_gate:
             # open problem of the critique: selectivity inside a block. b_n^i = sum_j g_j v_j with
             # g_j = 2 sigmoid(c_j), c_j zero-init (g_j = 1: plain Block AttnRes at step 0)
@@ -310,12 +416,11 @@ class SlidingWindowAttnRes(DepthAttentionResidual):
     """Depth-SWA: attend over the embedding plus only the last ``window`` layer outputs."""
 
     rule = "swa"
+    options = DepthAttentionResidual.options + ("window",)
 
-    def __init__(self, n_layers, d_model, eps=1e-6, *, window: int = 8, **options):
-        super().__init__(n_layers, d_model, eps, **options)
-        if window < 1:
-            raise ValueError(f"window: must be >= 1, got {window}")
-        self.window = window
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
+        self.window = self.config.window
 
     def sources(self, state, layer):
         n = len(state.values)
@@ -335,8 +440,8 @@ class MixingResidual(Connection):
     rule = "mixing"
     has_depth_weights = True
 
-    def __init__(self, n_layers, d_model, eps=1e-6):
-        super().__init__(n_layers, d_model, eps)
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
         self.logits = nn.Parameter(torch.zeros(n_layers + 1, n_layers + 1))
 
     def init_state(self, embedding, schedule="plain", record=False):
@@ -369,8 +474,8 @@ class DenseFormerResidual(Connection):
 
     rule = "denseformer"
 
-    def __init__(self, n_layers, d_model, eps=1e-6):
-        super().__init__(n_layers, d_model, eps)
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
         init = torch.zeros(n_layers, n_layers + 1)
         init[torch.arange(n_layers), torch.arange(1, n_layers + 1)] = 1.0
         self.weights = nn.Parameter(init)
@@ -408,9 +513,11 @@ class MHCLiteResidual(Connection):
     """
 
     rule = "mhc"
+    options = ("streams",)
 
-    def __init__(self, n_layers, d_model, eps=1e-6, *, streams: int = 4):
-        super().__init__(n_layers, d_model, eps)
+    def __init__(self, n_layers, d_model, eps=1e-6, config=None):
+        super().__init__(n_layers, d_model, eps, config)
+        streams = self.config.streams
         if not 1 <= streams <= 6:
             raise ValueError(f"streams: expected 1..6 (m! permutations are enumerated), got {streams}")
         m = streams
@@ -473,79 +580,29 @@ def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | No
     return block_size
 
 
-#: the options that only some rules read, and those rules: a non-default value with any other
-#: rule would be silently ignored, so :func:`check_rule_options` rejects it
-RULE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "block_size": ("full", "block"),  # full: the two-phase group size
-    "n_blocks": ("full", "block"),
-    "query": ("full", "block", "swa"),
-    "normalize": ("full", "block", "swa"),
-    "heads": ("full", "block", "swa"),
-    "key_norm": ("full", "block", "swa"),
-    "query_rank": ("full", "block", "swa"),  # and only with query="lowrank"
-    "window": ("swa",),
-    "streams": ("mhc",),
-    "intra_gate": ("block",),
+#: the registry of depth-mixing rules: name -> class (a class names itself in ``rule``)
+RULES: dict[str, type[Connection]] = {
+    cls.rule: cls
+    for cls in (PreNormResidual, FullAttnRes, BlockAttnRes, DenseFormerResidual, MHCLiteResidual,
+                SlidingWindowAttnRes, MixingResidual)
 }
-
-
-def check_rule_options(name: str, **options) -> None:
-    """Raise ``ValueError`` for an option (of :data:`RULE_OPTIONS`) set away from its default (that
-    of :func:`make_connection`) with a rule ``name`` that does not read it, and for ``query_rank``
-    without ``query="lowrank"``."""
-    defaults = {k: p.default for k, p in inspect.signature(make_connection).parameters.items()}
-    given = {k: defaults[k] for k in RULE_OPTIONS} | options
-    for option, value in given.items():
-        rules = RULE_OPTIONS[option]
-        if name not in rules and value != defaults[option]:
-            raise ValueError(
-                f"{option}: only used by residual in {rules}, got {option}={value!r} with "
-                f"residual={name!r} (leave it at its default {defaults[option]!r})"
-            )
-    if given["query_rank"] != defaults["query_rank"] and given["query"] != "lowrank":
-        raise ValueError(
-            f"query_rank: only used with query='lowrank', got query_rank={given['query_rank']!r} with "
-            f"query={given['query']!r}"
-        )
+RESIDUALS = tuple(RULES)
 
 
 def make_connection(
-    name: str,
-    n_layers: int,
-    d_model: int,
-    eps: float = 1e-6,
-    *,
-    block_size: int | None = None,
-    n_blocks: int | None = None,
-    query: str = "static",
-    normalize: str = "softmax",
-    heads: int = 1,
-    key_norm: bool = True,
-    window: int = 8,
-    streams: int = 4,
-    query_rank: int = 8,
-    intra_gate: bool = False,
+    residual: str | ResidualConfig, n_layers: int, d_model: int, eps: float = 1e-6, **options: Any
 ) -> Connection:
-    """Build the depth-mixing rule ``name`` (one of :data:`RESIDUALS`) for ``n_layers`` sublayers."""
-    if name not in RESIDUALS:
-        raise ValueError(f"residual: expected one of {RESIDUALS}, got {name!r}")
-    check_rule_options(name, block_size=block_size, n_blocks=n_blocks, query=query, normalize=normalize,
-                       heads=heads, key_norm=key_norm, window=window, streams=streams, query_rank=query_rank,
-                       intra_gate=intra_gate)
-    size = resolve_block_size(n_layers, block_size, n_blocks)
-    options = dict(query=query, normalize=normalize, heads=heads, key_norm=key_norm, query_rank=query_rank)
-    if name == "prenorm":
-        return PreNormResidual(n_layers, d_model, eps)
-    if name == "full":
-        return FullAttnRes(n_layers, d_model, eps, block_size=size, **options)
-    if name == "block":
-        if size is None:
-            size = math.ceil(n_layers / 8)  # the report's default: N ~ 8 blocks
-        return BlockAttnRes(n_layers, d_model, eps, block_size=size, intra_gate=intra_gate, **options)
-    if name == "swa":
-        return SlidingWindowAttnRes(n_layers, d_model, eps, window=window, **options)
-    if name == "mixing":
-        return MixingResidual(n_layers, d_model, eps)
-    if name == "denseformer":
-        return DenseFormerResidual(n_layers, d_model, eps)
-    return MHCLiteResidual(n_layers, d_model, eps, streams=streams)
+    """Build the depth-mixing rule ``residual`` (a name of :data:`RESIDUALS` plus the
+    :class:`ResidualConfig` options as keywords, or a ``ResidualConfig``) for ``n_layers`` sublayers
+    of width ``d_model``."""
+    for old, new in LEGACY_NAMES.items():
+        if old in options:
+            raise TypeError(f"make_connection: {old}= is now {new}= ({new!r}: see ResidualConfig)")
+    if isinstance(residual, ResidualConfig):
+        if options:
+            residual = residual.replace(**options)
+        config = residual
+    else:
+        config = ResidualConfig(residual, **options)
+    resolve_block_size(n_layers, config.block_size, config.n_blocks)
+    return RULES[config.rule](n_layers, d_model, eps, config)

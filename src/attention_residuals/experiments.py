@@ -138,7 +138,7 @@ def ablation_variants(n_layer: int, d_model: int) -> dict[str, dict]:
         "input_query": {"residual": "full", "query": "input"},
         "mixing": {"residual": "mixing"},
         "sigmoid": {"residual": "full", "normalize": "sigmoid"},
-        "multihead": {"residual": "block", "block_size": 4, "heads": heads},
+        "multihead": {"residual": "block", "block_size": 4, "depth_heads": heads},
         "full_no_keynorm": {"residual": "full", "key_norm": False},
         "block_no_keynorm": {"residual": "block", "block_size": 4, "key_norm": False},
         "ours_lowrank_query": {"residual": "block", "block_size": 4, "query": "lowrank", "query_rank": 8},
@@ -154,8 +154,8 @@ def study_variants(n_layer: int, n_head: int) -> dict[str, dict]:
         "prenorm": {"residual": "prenorm"},
         "block": block,
         "full": {"residual": "full"},
-        f"block_h{n_head}": {**block, "heads": n_head},
-        f"full_h{n_head}": {"residual": "full", "heads": n_head},
+        f"block_h{n_head}": {**block, "depth_heads": n_head},
+        f"full_h{n_head}": {"residual": "full", "depth_heads": n_head},
     }
 
 
@@ -262,9 +262,14 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
     return out
 
 
+# options renamed since runs were first keyed: a key keeps the first spelling, so committed runs are found
+_KEY_SPELLING = {"depth_heads": "heads"}
+
+
 def run_key(spec: RunSpec, budget_name: str) -> str:
     """Directory name of a run: its budget, config overrides and seed, spelled out."""
-    parts = [budget_name] + [f"{k}={spec.overrides[k]}" for k in sorted(spec.overrides)] + [f"seed={spec.seed}"]
+    named = {_KEY_SPELLING.get(k, k): v for k, v in spec.overrides.items()}
+    parts = [budget_name] + [f"{k}={named[k]}" for k in sorted(named)] + [f"seed={spec.seed}"]
     return ",".join(parts).replace("=", "-").replace(",", "_")
 
 

@@ -1,7 +1,7 @@
 """Floor 4: a decoder-only language model that takes any depth-mixing rule.
 
 Token embedding -> L sublayers (attention and MLP alternate; each is its own layer with its own
-input RMSNorm) wired by ``config.residual`` -> final RMSNorm -> LM head. Attention is causal
+input RMSNorm) wired by the rule ``config.residual`` -> final RMSNorm -> LM head. Attention is causal
 ``F.scaled_dot_product_attention`` with rotary positions; the MLP is SwiGLU. The residual wiring
 is the only thing that changes between the baseline and AttnRes::
 
@@ -14,14 +14,14 @@ is the only thing that changes between the baseline and AttnRes::
 from __future__ import annotations
 
 import math
-import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .connections import RESIDUALS, RULE_OPTIONS, check_rule_options, make_connection, resolve_block_size
+from .connections import LEGACY_NAMES, ResidualConfig, make_connection, resolve_block_size
+from .typed import check_field_types
 
 __all__ = ["GPTConfig", "GPT", "KVCache"]
 
@@ -30,14 +30,12 @@ __all__ = ["GPTConfig", "GPT", "KVCache"]
 class GPTConfig:
     """Model shape and depth-mixing rule.
 
-    ``seq_len`` is the context length; ``block_size`` is the AttnRes block size S counted in
-    sublayers (L = 2 * n_layer), unlike nanoGPT where block_size is the context length. Give
-    ``block_size`` or ``n_blocks`` (N); for ``residual="block"`` the default is N ~ 8.
-
-    The rule-specific options (see :data:`RULE_OPTIONS`: ``block_size``, ``n_blocks``, ``query``,
-    ``window``, ``streams``...) must keep their defaults with a rule that does not read them, and
-    ``query_rank`` with a ``query`` other than ``"lowrank"``: :meth:`validate` rejects a value that
-    would be silently ignored. ``mlp_hidden=None`` means the default width; ``rope_theta``,
+    ``residual`` is a :class:`~attention_residuals.connections.ResidualConfig` (the rule and its
+    options); a rule name is taken as ``ResidualConfig(name)``, and the rule options may be given
+    flat as a convenience — ``GPTConfig(residual="block", n_blocks=8)`` is
+    ``GPTConfig(residual=ResidualConfig("block", n_blocks=8))``. ``seq_len`` is the context length;
+    the AttnRes ``block_size`` is counted in sublayers (L = 2 * n_layer), unlike nanoGPT where
+    block_size is the context length. ``mlp_hidden=None`` means the default width; ``rope_theta``,
     ``norm_eps`` and ``init_std`` must be finite and > 0.
     """
 
@@ -46,22 +44,20 @@ class GPTConfig:
     n_head: int = 4
     d_model: int = 128
     seq_len: int = 256
-    residual: str = "prenorm"
-    block_size: int | None = None
-    n_blocks: int | None = None
-    query: str = "static"
-    normalize: str = "softmax"
-    heads: int = 1
-    key_norm: bool = True
-    window: int = 8
-    streams: int = 4
-    query_rank: int = 8
-    intra_gate: bool = False
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
     mlp_hidden: int | None = None  # default: 8/3 * d_model rounded up to a multiple of 64
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.residual, str):
+            self.residual = ResidualConfig(self.residual)
+        elif isinstance(self.residual, dict):
+            self.residual = ResidualConfig.from_dict(self.residual)
+        elif not isinstance(self.residual, ResidualConfig):
+            raise ValueError(f"residual: expected a rule name or a ResidualConfig, got {self.residual!r}")
 
     @property
     def n_sublayers(self) -> int:
@@ -75,25 +71,23 @@ class GPTConfig:
 
     def validate(self) -> GPTConfig:
         """Raise ``ValueError`` naming the field if the configuration cannot be built."""
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "heads", "window", "streams", "query_rank"):
+        check_field_types(self)
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-        if self.residual not in RESIDUALS:
-            raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.residual!r}")
-        if self.mlp_hidden is not None and (not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 1):
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
             raise ValueError(
                 "mlp_hidden: expected a positive integer, or None for the default "
                 f"(8/3 * d_model rounded up to a multiple of 64), got {self.mlp_hidden!r}"
             )
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+            if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
-        check_rule_options(self.residual, **{name: getattr(self, name) for name in RULE_OPTIONS})
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
             raise ValueError(f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
-        resolve_block_size(self.n_sublayers, self.block_size, self.n_blocks)
+        resolve_block_size(self.n_sublayers, self.residual.block_size, self.residual.n_blocks)
         return self
 
     def to_dict(self) -> dict:
@@ -101,11 +95,40 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> GPTConfig:
+        """From :meth:`to_dict`, or the flat form of earlier runs (``"residual": "block"`` beside
+        ``"n_blocks"``, ``"heads"``...): every committed ``config.json`` keeps loading."""
+        data = dict(data)
+        residual = data.pop("residual", None)
+        residual = residual.to_dict() if isinstance(residual, ResidualConfig) else residual
+        flat = {k: data.pop(k) for k in list(data) if k in _RESIDUAL_KEYS}
+        if isinstance(residual, dict):
+            flat = {**residual, **flat}
+        elif residual is not None:
+            flat["rule"] = residual
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"GPTConfig: unknown fields {sorted(unknown)}")
-        return cls(**data)
+        return cls(**data, residual=ResidualConfig.from_dict(flat))
+
+
+_RESIDUAL_KEYS = {f.name for f in fields(ResidualConfig)} | set(LEGACY_NAMES)
+_dataclass_init = GPTConfig.__init__
+
+
+def _init_with_flat_options(self: GPTConfig, *args, **kwargs) -> None:
+    """The generated ``__init__``, also taking the rule options flat (``n_blocks=8``): they are
+    folded into ``residual``. An old name (``heads``) is a TypeError naming the new one."""
+    for old, new in LEGACY_NAMES.items():
+        if old in kwargs and old != "residual":
+            raise TypeError(f"GPTConfig: {old}= is now {new}= (see ResidualConfig)")
+    flat = {k: kwargs.pop(k) for k in list(kwargs) if k in _RESIDUAL_KEYS and k != "residual"}
+    _dataclass_init(self, *args, **kwargs)
+    if flat:
+        self.residual = self.residual.replace(**flat)
+
+
+GPTConfig.__init__ = _init_with_flat_options  # type: ignore[method-assign]
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,11 +209,7 @@ class GPT(nn.Module):
             CausalSelfAttention(c, l // 2) if l % 2 == 0 else SwiGLU(c) for l in range(L)
         )
         self.norms = nn.ModuleList(nn.RMSNorm(c.d_model, eps=c.norm_eps) for _ in range(L))
-        self.residual = make_connection(
-            c.residual, L, c.d_model, c.norm_eps, block_size=c.block_size, n_blocks=c.n_blocks,
-            query=c.query, normalize=c.normalize, heads=c.heads, key_norm=c.key_norm,
-            window=c.window, streams=c.streams, query_rank=c.query_rank, intra_gate=c.intra_gate,
-        )
+        self.residual = make_connection(c.residual, L, c.d_model, c.norm_eps)
         self.norm_f = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         cos, sin = rope_tables(c.seq_len, c.d_model // c.n_head, c.rope_theta)
@@ -269,8 +288,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         state = self.residual.init_state(x, schedule=schedule, record=record)
         for l, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=False)):
-            h = self.residual.read(state, l)
-            self.residual.write(state, l, layer(norm(h), cos, sin, cache))
+            x = self.residual.read_normed(state, l, norm)  # RMSNorm_l(h_l)
+            self.residual.write(state, l, layer(x, cos, sin, cache))
         out = self.norm_f(self.residual.final(state))
         if cache is not None:
             cache.length += T

@@ -257,7 +257,7 @@ class PipelineParallel:
         _check_scheme(scheme)
         if not isinstance(model.residual, BlockAttnRes):
             raise ValueError(
-                f"pipeline parallel: expected a model with residual='block', got {model.config.residual!r}"
+                f"pipeline parallel: expected a model with residual='block', got {model.config.residual.rule!r}"
             )
         if not dist.is_initialized():
             raise DistributedError("pipeline parallel needs a process group: call init_distributed() first")

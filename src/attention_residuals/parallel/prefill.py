@@ -97,7 +97,7 @@ class _Sharded:
         x0 = sources[0]
         acc = torch.promote_types(x0.dtype, torch.float32)
         onehot = self.onehot.to(device=x0.device, dtype=acc)
-        q = res.queries[layer, self.lo : self.hi].to(acc)
+        q = res.static_queries(layer)[self.lo : self.hi].to(acc)
         parts = []
         for x in sources:
             xa = x.to(acc)
@@ -157,7 +157,7 @@ class _BlockStates:
 def _check_model(model) -> BlockAttnRes:
     res = model.residual
     if not isinstance(res, BlockAttnRes):
-        raise ValueError(f"sharded prefill: expected residual='block', got {model.config.residual!r}")
+        raise ValueError(f"sharded prefill: expected residual='block', got {model.config.residual.rule!r}")
     if res.query_mode != "static" or res.normalize != "softmax":
         raise ValueError(
             "sharded prefill needs static softmax queries (query='static', normalize='softmax'), got "

@@ -40,8 +40,8 @@ Requirements (checked where possible; errors say what is wrong):
 Example::
 
     from transformers import LlamaConfig, LlamaForCausalLM
-    from attention_residuals.patch import apply_attnres
-    model = apply_attnres(LlamaForCausalLM(LlamaConfig(...)), mode="block", n_blocks=4)
+    from attention_residuals.integrations.patch import apply_attnres
+    model = apply_attnres(LlamaForCausalLM(LlamaConfig(...)), "block", n_blocks=4)
     model.generate(ids, max_new_tokens=20)     # the KV cache works as before
 
 Loading a trained patched model: build and patch the same architecture, then
@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from .connections import RESIDUALS, Connection, ResidualState, make_connection
+from ..connections import RESIDUALS, Connection, ResidualState, make_connection
 
 __all__ = ["AttnResPatch", "apply_attnres", "find_decoder_layers", "remove_attnres"]
 
@@ -78,7 +78,7 @@ _OWNER_ATTR = "attnres"
 class AttnResPatch:
     """What :func:`apply_attnres` did (also stored as ``model.attnres_patch``)."""
 
-    mode: str
+    residual: str
     connection: Connection
     layers: nn.ModuleList
     owner: nn.Module
@@ -200,7 +200,7 @@ def _checkpointing(model: nn.Module) -> bool:
 
 def apply_attnres(
     model: nn.Module,
-    mode: str = "block",
+    residual: str = "block",
     *,
     block_size: int | None = None,
     n_blocks: int | None = None,
@@ -215,7 +215,7 @@ def apply_attnres(
     Args:
         model: any ``nn.Module`` holding the decoder layers (e.g. a ``transformers``
             ``LlamaForCausalLM``). Returned, patched, for chaining.
-        mode: ``"block"`` (Block AttnRes) or ``"full"`` (Full AttnRes); any rule of
+        residual: ``"block"`` (Block AttnRes) or ``"full"`` (Full AttnRes); any rule of
             :data:`~attention_residuals.connections.RESIDUALS` works (``"prenorm"`` rebuilds the
             original model exactly, a check of the wiring).
         block_size: Block AttnRes block size ``S`` in *sublayers* (attention and MLP count one
@@ -227,13 +227,16 @@ def apply_attnres(
         d_model: hidden size (default: the norms' weight size). ``eps``: epsilon of the key
             RMSNorm of depth attention (default: the layers' norm epsilon).
         options: more :func:`~attention_residuals.connections.make_connection` options
-            (``query``, ``normalize``, ``heads``, ``key_norm``, ``query_rank``, ``intra_gate``...).
+            (the :class:`~attention_residuals.connections.ResidualConfig` fields: ``query``,
+            ``normalize``, ``depth_heads``, ``key_norm``, ``key_norm_gain``, ``intra_gate``...).
 
     The connection's parameters (zero-init queries) are created on the model's device and dtype
     and registered as ``attnres`` on the module owning the layer list.
     """
-    if mode not in RESIDUALS:
-        raise ValueError(f"mode: expected one of {RESIDUALS}, got {mode!r}")
+    if "mode" in options:
+        raise TypeError("apply_attnres: mode= is now residual= (the rule's one name everywhere)")
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual: expected one of {RESIDUALS}, got {residual!r}")
     if getattr(model, "attnres_patch", None) is not None:
         raise ValueError("model: AttnRes is already applied (remove_attnres(model) first)")
     if _checkpointing(model):
@@ -261,7 +264,7 @@ def apply_attnres(
     d = d_model or _hidden_size(first, names[2])
     eps = _norm_eps(getattr(first, names[2])) if eps is None else eps
     n_sub = 2 * len(layer_list)
-    conn = make_connection(mode, n_sub, d, eps, block_size=block_size, n_blocks=n_blocks, **options)
+    conn = make_connection(residual, n_sub, d, eps, block_size=block_size, n_blocks=n_blocks, **options)
     ref = next(iter(model.parameters()), None)
     if ref is not None:
         conn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
@@ -277,7 +280,7 @@ def apply_attnres(
         object.__setattr__(layer, "_attnres_spec", spec)
         object.__setattr__(layer, "_attnres_connection", conn)
         object.__setattr__(layer, "forward", types.MethodType(_patched_forward, layer))
-    patch = AttnResPatch(mode, conn, layer_list, owner, names, n_sub)
+    patch = AttnResPatch(residual, conn, layer_list, owner, names, n_sub)
     object.__setattr__(model, "attnres_patch", patch)  # not a submodule: no duplicate parameters
     return model
 

@@ -6,7 +6,7 @@ attribute ``model``, so its parameter names are ours with a ``model.`` prefix (a
 stores ``model/<name>``: conversion is a rename). Importing this module registers both with
 ``AutoConfig`` / ``AutoModelForCausalLM``::
 
-    import attention_residuals.hf  # registers model_type "attnres"
+    import attention_residuals.integrations.hf  # registers model_type "attnres"
     model = AutoModelForCausalLM.from_pretrained("out_dir")       # safetensors, no network
     out = model.generate(ids, max_new_tokens=32, do_sample=False)  # greedy == GPT.generate(temperature=0)
 
@@ -47,8 +47,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .connections import Connection, make_connection
-from .model import GPT, CausalSelfAttention, GPTConfig, rope_tables
+from ..connections import LEGACY_NAMES, Connection, ResidualConfig, make_connection
+from ..model import GPT, CausalSelfAttention, GPTConfig, rope_tables
 
 __all__ = [
     "AttnResConfig",
@@ -62,6 +62,7 @@ __all__ = [
 
 EXPORT_FILE = "attnres_export.json"  # beside an exported model: where it came from
 _GPT_FIELDS = tuple(f.name for f in fields(GPTConfig))
+_GPT_KEYS = set(_GPT_FIELDS) | {f.name for f in fields(ResidualConfig)} | set(LEGACY_NAMES)
 _TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 
@@ -92,8 +93,9 @@ class AttnResConfig(PretrainedConfig):
                 if name in kwargs and kwargs[name] != value:
                     raise ValueError(f"{alias}={value!r} contradicts {name}={kwargs[name]!r}")
                 kwargs[name] = value
-        defaults = GPTConfig().to_dict()
-        ours = {name: kwargs.pop(name, defaults[name]) for name in _GPT_FIELDS}
+        # GPTConfig.from_dict fills defaults and folds the flat rule options of older exports
+        # ("residual": "block" beside "n_blocks", "heads") into the nested residual config
+        ours = GPTConfig.from_dict({k: kwargs.pop(k) for k in list(kwargs) if k in _GPT_KEYS}).to_dict()
         super().__init__(**kwargs)
         for name, value in ours.items():
             setattr(self, name, value)
@@ -101,7 +103,7 @@ class AttnResConfig(PretrainedConfig):
 
     def to_gpt_config(self) -> GPTConfig:
         """The :class:`GPTConfig` these fields describe (validated)."""
-        return GPTConfig(**{name: getattr(self, name) for name in _GPT_FIELDS}).validate()
+        return GPTConfig.from_dict({name: getattr(self, name) for name in _GPT_FIELDS}).validate()
 
     @classmethod
     def from_gpt_config(cls, config: GPTConfig, **kwargs) -> AttnResConfig:
@@ -181,11 +183,7 @@ def _init_ops():
 
 def _fresh_connection(c: GPTConfig) -> Connection:
     with torch.device("cpu"):
-        return make_connection(
-            c.residual, c.n_sublayers, c.d_model, c.norm_eps, block_size=c.block_size, n_blocks=c.n_blocks,
-            query=c.query, normalize=c.normalize, heads=c.heads, key_norm=c.key_norm, window=c.window,
-            streams=c.streams, query_rank=c.query_rank, intra_gate=c.intra_gate,
-        )
+        return make_connection(c.residual, c.n_sublayers, c.d_model, c.norm_eps)
 
 
 class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
@@ -354,7 +352,7 @@ def to_gpt(model: AttnResForCausalLM) -> GPT:
 
 def _read_run(run_dir: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict, int]:
     """Model config, model weights, run config and step of a run directory."""
-    from .checkpoint import read_checkpoint
+    from ..checkpoint import read_checkpoint
 
     ckpt = run_dir / "checkpoint.safetensors"
     tensors, info = read_checkpoint(ckpt)
@@ -404,8 +402,8 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
 
 def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig, out_dir: Path) -> str:
     """Save the run's tokenizer next to the model; returns what was done (for the CLI)."""
-    from . import tokenizer as tok
-    from .data import BYTE_TOKENIZER
+    from .. import tokenizer as tok
+    from ..data import BYTE_TOKENIZER
 
     path = tok.tokenizer_path_of(run_config)
     used = (run_config.get("data") or {}).get("tokenizer", BYTE_TOKENIZER)
@@ -426,7 +424,7 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     run's ``"train"`` and ``"data"`` sections (its corpus, tokenizer and hyperparameters); returns
     the checkpoint path.
     """
-    from .checkpoint import save_checkpoint
+    from ..checkpoint import save_checkpoint
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     hf = AttnResForCausalLM.from_pretrained(hf_dir, local_files_only=True)
@@ -447,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="attnres export-hf",
         description="Convert a run directory (config.json + checkpoint.safetensors) to a Hugging Face model "
-        "folder loadable with AutoModelForCausalLM.from_pretrained (import attention_residuals.hf first), "
+        "folder loadable with AutoModelForCausalLM.from_pretrained (import attention_residuals.integrations.hf first), "
         "or back with --import.",
     )
     parser.add_argument("src", help="RUN_DIR (or HF_DIR with --import)")
@@ -463,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype))
             note = json.loads((out / EXPORT_FILE).read_text())["tokenizer"]
             print(f"wrote {out} with {note}")
-            print("load it with: import attention_residuals.hf; AutoModelForCausalLM.from_pretrained(...)")
+            print("load it with: import attention_residuals.integrations.hf; AutoModelForCausalLM.from_pretrained(...)")
     except (OSError, ValueError, RuntimeError) as e:
         print(f"attnres export-hf: error: {e}", file=sys.stderr)
         return 1
