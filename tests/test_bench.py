@@ -7,6 +7,8 @@ import json
 import pytest
 
 from attention_residuals import bench, cli
+from attention_residuals.bench.harness import paired_ratio
+from attention_residuals.bench.memory import io_per_layer
 
 
 def _run(capsys, tmp_path, *argv):
@@ -69,16 +71,16 @@ def test_paired_ratio_is_the_median_of_within_round_ratios():
     # the rounds' memory speed drifts 2x; the op is 0.8x the roofline in every round
     roof = [2.0, 4.0, 2.0, 4.0, 3.0]
     ours = [r / 0.8 for r in roof]
-    assert bench.paired_ratio(roof, ours) == pytest.approx(0.8)
+    assert paired_ratio(roof, ours) == pytest.approx(0.8)
     assert min(roof) / min(ours) == pytest.approx(0.8)
     ours[0] = 9.0  # one disturbed round moves the median by nothing
-    assert bench.paired_ratio(roof, ours) == pytest.approx(0.8)
+    assert paired_ratio(roof, ours) == pytest.approx(0.8)
     with pytest.raises(ValueError):
-        bench.paired_ratio(roof, ours[:-1])
+        paired_ratio(roof, ours[:-1])
 
 
 def test_io_per_layer_formulas():
-    io = bench.io_per_layer(128, 8)["per_layer_d"]
+    io = io_per_layer(128, 8)["per_layer_d"]
     assert io["block_two_phase"]["reads"] == pytest.approx(8 / 16 + 3)
     assert io["full_two_phase"]["reads"] == pytest.approx(16 + 8 - 2)
     assert io["mhc_m4"]["total"] == 34.0
@@ -109,3 +111,15 @@ def test_bench_report_errors(capsys, tmp_path):
     (tmp_path / "op.json").write_text('{"bench": "op", ')
     assert cli.main(["bench", "report", str(tmp_path)]) == 2
     assert "op.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_bench_package_never_imports_the_cli():
+    """bench sits below the CLI: its dispatch comes from `commands`, and no module of it imports `cli`."""
+    import ast
+    from pathlib import Path
+
+    for path in Path(bench.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + ([a.name for a in node.names] if not node.module else [])
+                assert not any(n == "cli" or n.endswith(".cli") for n in names), path

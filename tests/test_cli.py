@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from attention_residuals import cli
+from attention_residuals import cli, commands
 
 TINY = [
     "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--batch-size", "2", "--steps", "6",
@@ -135,7 +135,7 @@ def test_top_level_help_lists_the_subcommand_tables(capsys):
     assert ", ".join(experiments.SUBCOMMANDS) in lines["experiment"] and "shape" in lines["experiment"]
     assert ", ".join(bench.SUBCOMMANDS) in lines["bench"]
     # a help given as a function is made when shown; a missing table falls back instead of failing
-    assert cli.usage_text("p", {"x": ("m", cli.listing("attention_residuals", "NO_SUCH_TABLE", "things ({})"))}) \
+    assert commands.usage_text("p", {"x": ("m", commands.listing("attention_residuals", "NO_SUCH_TABLE", "things ({})"))}) \
         .splitlines()[3] == "  x  things (...)"
 
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from attention_residuals import bench_dist
 from attention_residuals.bench import SUBCOMMANDS
+from attention_residuals.bench import dist as bench_dist
 
 
 def test_bench_dispatch_points_here():
-    assert SUBCOMMANDS["dist"][0] == "attention_residuals.bench_dist:main"
+    assert SUBCOMMANDS["dist"][0] == "attention_residuals.bench.dist:main"
 
 
 def test_pipeline_rows():
@@ -86,7 +86,7 @@ def test_bench_page_says_where_targets_come_from(tmp_path):
     dist JSON (a --skip-* run written with --out) renders instead of failing."""
     from pathlib import Path
 
-    from attention_residuals.bench_report import write_report
+    from attention_residuals.bench.report import write_report
 
     committed = Path(__file__).resolve().parents[1] / "results" / "bench"
     for name in ("op_cpu_float32.json", "model_cpu.json", "dist.json"):

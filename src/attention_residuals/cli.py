@@ -3,30 +3,14 @@
 Sub-commands are imported lazily so a missing optional extra (transformers, triton) only matters
 for the sub-command that needs it. ``attnres --help`` imports only the modules whose sub-command
 lists it shows (``bench``, ``experiment``), so those lists come from their tables and cannot drift.
+The dispatch itself (shared with ``attnres bench``) is :mod:`.commands`.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
-from collections.abc import Callable
 
-Help = str | Callable[[], str]
-
-
-def listing(module: str, table: str, template: str) -> Callable[[], str]:
-    """A one-line help made, when shown, from the names of ``module.table`` (a sub-command table),
-    so that the list cannot drift from the commands that exist: ``template`` holds one ``{}``."""
-
-    def help_() -> str:
-        try:
-            names = getattr(importlib.import_module(module), table)
-        except (ImportError, AttributeError):
-            return template.format("...")
-        return template.format(", ".join(names))
-
-    return help_
-
+from .commands import Help, dispatch, listing
 
 # name -> (module, one-line help: a string, or a function that makes it when the usage is shown).
 # Each module exposes ``main(argv: list[str]) -> int``.
@@ -41,37 +25,6 @@ COMMANDS: dict[str, tuple[str, Help]] = {
     "export-hf": ("attention_residuals.integrations.hf", "convert a run directory to a Hugging Face model folder"),
     "tokenizer": ("attention_residuals.tokenizer", "train a BPE tokenizer on local text"),
 }
-
-
-def usage_text(prog: str, commands: dict[str, tuple[str, Help]], epilog: str = "") -> str:
-    """The usage ``dispatch`` prints: each command with its one-line help (made now if a function)."""
-    width = max(map(len, commands)) + 2
-    return "\n".join(
-        [f"usage: {prog} <command> [options]", "", "commands:"]
-        + [f"  {name:<{width}}{help_() if callable(help_) else help_}" for name, (_, help_) in commands.items()]
-        + ["", f"Run `{prog} <command> --help` for the options of one command.{' ' + epilog if epilog else ''}"]
-    )
-
-
-def dispatch(prog: str, commands: dict[str, tuple[str, Help]], argv: list[str], epilog: str = "") -> int:
-    """Run ``prog <name> [options]``: ``commands`` maps name -> (target, one-line help), the target
-    ``"module"`` (its ``main``) or ``"module:function"``, imported only when chosen; the function
-    takes the remaining argv and returns an exit code. A help given as a function is called only
-    when the usage is shown."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage_text(prog, commands, epilog))
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in commands:
-        print(f"{prog}: unknown command {name!r}\n\n{usage_text(prog, commands, epilog)}", file=sys.stderr)
-        return 2
-    module_name, _, func_name = commands[name][0].partition(":")
-    try:
-        func = getattr(importlib.import_module(module_name), func_name or "main")
-    except (ImportError, AttributeError) as exc:
-        print(f"{prog} {name}: not available ({commands[name][0]}: {exc})", file=sys.stderr)
-        return 2
-    return int(func(rest) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,8 +30,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from .bench import bench_command
+from ..model import GPT, GPTConfig
+from ..parallel.dist import spawn
+from ..parallel.pipeline import SCHEMES, PipelineLayout, PipelineParallel, derived_transfers, report_transfers
+from ..parallel.prefill import block_state_bytes, prefill
+from .harness import bench_command
 
 __all__ = ["main", "bench_pipeline", "bench_prefill", "report_prefill_example"]
 
@@ -48,8 +53,6 @@ REPORT_EXAMPLE = dict(tokens=128 * 1024, blocks=8, d_model=7168, bytes_per_elem=
 
 
 def _pipe_model(S: int):
-    from .model import GPT, GPTConfig
-
     torch.manual_seed(0)
     model = GPT(GPTConfig(**PIPE_MODEL, block_size=S))
     with torch.no_grad():  # trained-looking (non-zero) depth queries, so every path matters
@@ -65,8 +68,6 @@ def _pipe_batch():
 
 
 def _pipe_worker(rank: int, world: int, V: int, S: int) -> dict:
-    from .parallel.pipeline import SCHEMES, PipelineParallel
-
     model = _pipe_model(S)
     idx, targets = _pipe_batch()
     out = {}
@@ -82,9 +83,6 @@ def _pipe_worker(rank: int, world: int, V: int, S: int) -> dict:
 
 
 def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
-    from .parallel.dist import spawn
-    from .parallel.pipeline import SCHEMES, PipelineLayout, derived_transfers, report_transfers
-
     rows = []
     d, T = PIPE_MODEL["d_model"], PIPE_MODEL["seq_len"]
     L = 2 * PIPE_MODEL["n_layer"]
@@ -127,8 +125,6 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
 
 
 def _prefill_model(seq_len: int):
-    from .model import GPT, GPTConfig
-
     torch.manual_seed(0)
     model = GPT(GPTConfig(**PREFILL_MODEL, seq_len=seq_len)).eval()
     with torch.no_grad():
@@ -138,10 +134,6 @@ def _prefill_model(seq_len: int):
 
 
 def _prefill_worker(rank: int, world: int, seq_len: int, chunk: int | None, shard: str = "hidden") -> dict:
-    import torch.distributed as dist
-
-    from .parallel.prefill import prefill
-
     model = _prefill_model(seq_len)
     idx = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
     t0 = time.perf_counter()
@@ -157,9 +149,6 @@ def report_prefill_example(tokens: int, blocks: int, d_model: int, bytes_per_ele
 
 
 def bench_prefill(seq_len: int = 8192, tps=(1, 2, 4, 8), chunk_div: int = 8) -> dict:
-    from .parallel.dist import spawn
-    from .parallel.prefill import block_state_bytes
-
     model = _prefill_model(seq_len)
     idx = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
