@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attention_residuals import GPT, GPTConfig
-from attention_residuals.checkpoint import (
+from attention_residuals.training.checkpoint import (
     CheckpointError,
     flatten_state,
     load_checkpoint,
@@ -23,7 +23,7 @@ from attention_residuals.checkpoint import (
     unflatten_state,
     verify_checkpoint,
 )
-from attention_residuals.optim import build_optimizer, build_scheduler
+from attention_residuals.training.optim import build_optimizer, build_scheduler
 
 CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, residual="block", n_blocks=2)
 

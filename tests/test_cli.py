@@ -162,7 +162,7 @@ def test_sample_decodes_a_bpe_run_with_its_tokenizer(tmp_path, text_file, capsys
     different tokenizer is refused with what to do, and --tokenizer points to the moved one."""
     pytest.importorskip("tokenizers")
     pytest.importorskip("transformers")
-    from attention_residuals.tokenizer import load_encoder, train_bpe
+    from attention_residuals.training.tokenizer import load_encoder, train_bpe
 
     tok_dir, other_dir = tmp_path / "tok", tmp_path / "other"
     train_bpe([text_file.read_text()], vocab_size=300, min_frequency=2).save_pretrained(tok_dir)

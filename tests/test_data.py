@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from attention_residuals import data
-from attention_residuals.data import (
+from attention_residuals.training import data
+from attention_residuals.training.data import (
     Corpus,
     byte_decode,
     byte_encode,

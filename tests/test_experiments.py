@@ -102,11 +102,9 @@ def test_identical_runs_are_shared_between_experiments():
 def fake_training(monkeypatch, tmp_path):
     """Every run counts as finished (no training): run_experiment only tabulates, in seconds. Works
     from ``tmp_path`` so the default roots land there."""
-    from attention_residuals import train
-
-    monkeypatch.setattr(train, "load_summary", lambda run_dir: {
+    monkeypatch.setattr(ex, "load_summary", lambda run_dir: {
         "done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0})
-    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    monkeypatch.setattr(ex, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -170,8 +168,6 @@ def test_experiment_help_shows_defaults_and_every_experiment(capsys):
 def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, capsys):
     """`--only S=2` must not replace an experiment's tables by a table of one run: the tables come
     once every run is finished, and then cover them all."""
-    from attention_residuals import train
-
     finished = {"S2"}
 
     def summary(run_dir):
@@ -179,8 +175,8 @@ def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, c
         done = any(f"block_size-{v[1:]}" in name for v in finished) if "residual-block" in name else "prenorm" in finished
         return {"done": done, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0} if done else None
 
-    monkeypatch.setattr(train, "load_summary", summary)
-    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    monkeypatch.setattr(ex, "load_summary", summary)
+    monkeypatch.setattr(ex, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     assert ex.run_experiment("blocksize", "quick", tmp_path, only=["S=2"]) is None
     assert "no tables until every run" in capsys.readouterr().err
     assert not (tmp_path / "blocksize" / "results.json").exists()

@@ -10,11 +10,11 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from attention_residuals import cli  # noqa: E402
-from attention_residuals.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
-from attention_residuals.data import byte_encode  # noqa: E402
-from attention_residuals.integrations.hf import AttnResConfig, AttnResForCausalLM, export_hf, from_gpt, to_gpt  # noqa: E402
 from attention_residuals.connections import ResidualConfig  # noqa: E402
+from attention_residuals.integrations.hf import AttnResConfig, AttnResForCausalLM, export_hf, from_gpt, to_gpt  # noqa: E402
 from attention_residuals.model import GPT, GPTConfig  # noqa: E402
+from attention_residuals.training.checkpoint import read_checkpoint, save_checkpoint  # noqa: E402
+from attention_residuals.training.data import byte_encode  # noqa: E402
 
 
 def tiny(residual="block", **kw):
@@ -191,7 +191,7 @@ def test_export_hf_and_back_is_lossless(tmp_path, idx, capsys):
 
 def test_export_hf_dtype_and_tokenizer(tmp_path, idx):
     pytest.importorskip("tokenizers")
-    from attention_residuals.tokenizer import train_bpe
+    from attention_residuals.training.tokenizer import train_bpe
 
     tok = train_bpe(["def foo(bar):\n    return bar + 1\n"] * 20, vocab_size=300, min_frequency=2)
     tok.save_pretrained(tmp_path / "tok")

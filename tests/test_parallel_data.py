@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from attention_residuals.checkpoint import read_checkpoint
-from attention_residuals.data import Corpus
 from attention_residuals.parallel import DistributedError, spawn
-from attention_residuals.train import main, make_config, read_metrics, train
+from attention_residuals.training import main, make_config, read_metrics, train
+from attention_residuals.training.checkpoint import read_checkpoint
+from attention_residuals.training.data import Corpus
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
 

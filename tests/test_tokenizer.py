@@ -10,8 +10,8 @@ pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402
 
 from attention_residuals import cli  # noqa: E402
-from attention_residuals.data import byte_decode, byte_encode  # noqa: E402
-from attention_residuals.tokenizer import (  # noqa: E402
+from attention_residuals.training.data import byte_decode, byte_encode  # noqa: E402
+from attention_residuals.training.tokenizer import (  # noqa: E402
     EOT,
     byte_tokenizer,
     corpus_texts,
@@ -116,7 +116,7 @@ def test_cli_trains_on_the_training_split(tmp_path, capsys):
 def test_tokenized_corpus_feeds_training(tmp_path, saved):
     """The glue for ``attnres train --tokenizer``: a corpus of BPE ids that decodes to the text, and a
     GPT trained on it exports to HF with that tokenizer."""
-    from attention_residuals.train import make_config, train
+    from attention_residuals.training import make_config, train
 
     text_file = tmp_path / "code.py"
     text_file.write_text(CODE)

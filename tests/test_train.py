@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from attention_residuals import GPT, GPTConfig
-from attention_residuals.checkpoint import CheckpointError, read_checkpoint
-from attention_residuals.connections import RESIDUALS
-from attention_residuals.data import Corpus
-from attention_residuals.optim import LRSchedule, build_optimizer, split_params
-from attention_residuals.train import (
+from attention_residuals.connections import RESIDUALS, ResidualConfig
+from attention_residuals.training import (
     ConfigMismatchError,
     RunError,
     TrainConfig,
@@ -23,6 +22,9 @@ from attention_residuals.train import (
     read_metrics,
     train,
 )
+from attention_residuals.training.checkpoint import CheckpointError, read_checkpoint
+from attention_residuals.training.data import Corpus
+from attention_residuals.training.optim import LRSchedule, build_optimizer, split_params
 
 TEXT = "".join(f"def f{i}(x):\n    return x + {i % 17}\n\n" for i in range(400))
 
@@ -98,6 +100,24 @@ def test_resume_is_exact(tmp_path, corpus, optimizer, schedule):
     assert all(torch.equal(wa[k], wb[k]) for k in wa if k.startswith("model/"))
 
 
+def test_resume_of_a_run_recorded_with_flat_rule_options(tmp_path, corpus):
+    """config.json written before the residual config was nested ("residual": "block" beside
+    "n_blocks" and "heads") resumes: its identity is read through GPTConfig.from_dict."""
+    kw = dict(residual="block", n_blocks=2, depth_heads=2, steps=12)
+    train(tiny(tmp_path / "once", **kw), corpus=corpus)
+    train(tiny(tmp_path / "old", stop_at=6, **kw), corpus=corpus)
+    path = tmp_path / "old" / "config.json"
+    record = json.loads(path.read_text())
+    model = dict(record["model"])
+    rule = model.pop("residual")
+    flat = {"residual": rule.pop("rule"), **{("heads" if k == "depth_heads" else k): v for k, v in rule.items()
+                                             if k != "key_norm_gain"}}
+    record["model"] = {**model, **flat}
+    path.write_text(json.dumps(record))
+    again = train(tiny(tmp_path / "old", resume=True, **kw), corpus=corpus)
+    assert again["done"] and again["final_val_loss"] == read_metrics(tmp_path / "once")[-1]["val_loss"]
+
+
 def test_resume_with_other_config_lists_fields(tmp_path, corpus):
     train(tiny(tmp_path / "r", stop_at=5), corpus=corpus)
     with pytest.raises(ConfigMismatchError) as e:
@@ -155,7 +175,7 @@ def test_bad_configs_raise_naming_the_field(tmp_path, corpus):
 
 def test_config_routing_roundtrip_and_command_line(tmp_path):
     cfg = make_config(residual="block", n_blocks=4, steps=7, lr=1e-3, out=str(tmp_path))
-    assert cfg.model.residual == "block" and cfg.model.n_blocks == 4 and cfg.steps == 7
+    assert cfg.model.residual == ResidualConfig("block", n_blocks=4) and cfg.steps == 7
     back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert back == cfg
     cmd = command_line(cfg)
@@ -163,7 +183,7 @@ def test_config_routing_roundtrip_and_command_line(tmp_path):
     parsed = config_from_args(cmd.split()[2:])
     assert parsed.identity() == cfg.identity()
     parsed = config_from_args(["--residual", "full", "--no-key-norm", "--block-size", "none", "--stop-at", "3"])
-    assert parsed.model.key_norm is False and parsed.model.block_size is None and parsed.stop_at == 3
+    assert parsed.model.residual == ResidualConfig("full", key_norm=False) and parsed.stop_at == 3
 
 
 def test_param_groups_and_schedules():
@@ -190,7 +210,7 @@ def test_param_groups_and_schedules():
 
 def test_config_file_flat_or_sections_and_its_errors(tmp_path, capsys):
     from attention_residuals import cli
-    from attention_residuals.train import read_config
+    from attention_residuals.training import read_config
 
     flat = tmp_path / "flat.json"
     flat.write_text(json.dumps({"d_model": 48, "n_layer": 3, "steps": 7}))
@@ -222,7 +242,7 @@ def test_config_file_flat_or_sections_and_its_errors(tmp_path, capsys):
 
 
 def test_bad_device_names_the_argument():
-    from attention_residuals.train import resolve_device
+    from attention_residuals.training import resolve_device
 
     with pytest.raises(ValueError, match="device: expected cpu, cuda, cuda:N or auto, got 'tpu'"):
         resolve_device("tpu")
@@ -273,7 +293,7 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, corpus, mon
     import os
     import signal
 
-    from attention_residuals import train as train_module
+    from attention_residuals.training import loop as train_module
 
     kw = dict(residual="block", n_blocks=2, steps=20, grad_accum=2)
     train(tiny(tmp_path / "once", **kw), corpus=corpus)
@@ -294,3 +314,88 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, corpus, mon
     assert again["done"] and not again["interrupted"]
     a, b = read_metrics(tmp_path / "once"), read_metrics(tmp_path / "twice")
     assert [(r["step"], r["train_loss"], r["val_loss"]) for r in a] == [(r["step"], r["train_loss"], r["val_loss"]) for r in b]
+
+
+# --------------------------------------------------------------------------- flat options over nested configs
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """A made-up nested, frozen sub-config (as GPTConfig.residual will be): its rule is ``--residual``."""
+
+    rule: str = field(default="plain", metadata={"help": "mixing rule", "choices": ("plain", "block"),
+                                                 "flag": "--residual"})
+    n_blocks: int | None = field(default=None, metadata={"help": "number of blocks"})
+    key_norm: bool = field(default=True, metadata={"help": "normalise the keys"})
+
+    def __post_init__(self):  # options of another rule are refused: changes must land at once
+        if self.n_blocks is not None and self.rule != "block":
+            raise ValueError("n_blocks: only with rule 'block'")
+
+
+@dataclass
+class _Net:
+    width: int = field(default=8, metadata={"help": "width"})
+    residual: _Rule = field(default_factory=_Rule)
+
+
+@dataclass
+class _Outer:
+    model: _Net = field(default_factory=_Net)
+    steps: int = field(default=10, metadata={"help": "steps"})
+    resume: bool = field(default=False, metadata={"help": "resume", "switch": True})
+
+
+def test_nested_dataclasses_get_flat_flags_and_are_rebuilt():
+    import argparse
+
+    from attention_residuals.training.args import add_flags, to_flags
+    from attention_residuals.training.config import check_field_types, flat_fields, flat_values, replace_flat
+
+    assert [(ff.name, ff.path) for ff in flat_fields(_Outer)] == [
+        ("width", ("model", "width")), ("residual", ("model", "residual", "rule")),
+        ("n_blocks", ("model", "residual", "n_blocks")), ("key_norm", ("model", "residual", "key_norm")),
+        ("steps", ("steps",)), ("resume", ("resume",)),
+    ]
+    p = argparse.ArgumentParser()
+    add_flags(p, _Outer)
+    assert vars(p.parse_args([])) == {}  # only the flags given
+    assert "--residual {plain,block}" in p.format_help() and "--no-key-norm" in p.format_help()
+    ns = vars(p.parse_args(["--residual", "block", "--n-blocks", "4", "--no-key-norm", "--steps", "3", "--resume"]))
+    cfg = replace_flat(_Outer(), **ns)
+    want = _Outer(model=_Net(residual=_Rule("block", 4, False)), steps=3, resume=True)
+    assert cfg == want and flat_values(cfg)["residual"] == "block"
+    assert replace_flat(_Outer(), **vars(p.parse_args(to_flags(cfg)))) == cfg  # to_flags is the inverse
+    assert to_flags(_Outer()) == [] and to_flags(_Outer(), always=("resume",)) == []  # an off switch has no flag
+    with pytest.raises(SystemExit):
+        p.parse_args(["--residual", "nope"])
+    # a nested value given whole, then leaves on it; unknown names and wrong types are refused
+    assert replace_flat(_Outer(), residual=_Rule("block"), n_blocks=2).model.residual == _Rule("block", 2)
+    assert replace_flat(_Outer(), model=_Net(width=3), n_blocks=None).model == _Net(width=3)
+    with pytest.raises(TypeError, match="unknown config field 'depth'"):
+        replace_flat(_Outer(), depth=2)
+    with pytest.raises(ValueError, match="key_norm: expected a bool"):
+        check_field_types(_Outer(model=_Net(residual=_Rule(key_norm="no"))))
+    with pytest.raises(ValueError, match="residual: expected a _Rule"):
+        check_field_types(_Outer(model=_Net(residual="block")))
+
+
+@dataclass
+class _Clash:
+    steps: int = 1
+    inner: _Outer = field(default_factory=_Outer)
+
+
+def test_flat_names_must_be_unique_and_train_config_is_flat_as_before():
+    from attention_residuals.training.config import flat_fields
+
+    with pytest.raises(TypeError, match="share the flat name 'steps'"):
+        flat_fields(_Clash)
+    names = [ff.name for ff in flat_fields(TrainConfig)]
+    model = [f.name for f in dataclasses.fields(GPTConfig) if f.name != "residual"]
+    rule = ["residual"] + [f.name for f in dataclasses.fields(ResidualConfig)][1:]  # `rule` is --residual
+    assert names[: len(model) + len(rule)] == model[:5] + rule + model[5:]  # the rule's options in place
+    assert "model" not in names and "rule" not in names and names[-1] == "cache_dir"
+    from attention_residuals import train as entry  # the `attnres train` / torchrun entry module
+
+    assert entry.train is train and entry.make_config is make_config and callable(entry.main)

@@ -68,7 +68,7 @@ class ResidualConfig:
     is known (:func:`make_connection`).
     """
 
-    rule: str = option("prenorm", "depth-mixing rule", flag="residual")
+    rule: str = option("prenorm", "depth-mixing rule", flag="residual", choices=lambda: RESIDUALS)
     block_size: int | None = option(None, "Block AttnRes block size S, in sublayers (full: the two-phase group size)")
     n_blocks: int | None = option(None, "Block AttnRes number of blocks N (instead of --block-size)")
     query: str = option("static", "depth-attention query: static (learned vector per layer), input "
@@ -86,7 +86,7 @@ class ResidualConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.rule not in RULES:
+        if self.rule not in RULES:  # before the other choices: the message names the flag
             raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.rule!r}")
         check_choices(self)
         for name in ("block_size", "n_blocks", "depth_heads", "query_rank", "window", "streams"):

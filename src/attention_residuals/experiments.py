@@ -33,6 +33,9 @@ import numpy as np
 import torch
 
 from .report import new_figure
+from .training import load_summary, make_config, train
+from .training.checkpoint import load_latest
+from .training.data import eval_batches, load_corpus
 
 __all__ = ["RunSpec", "BUDGETS", "DEFAULT_ROOTS", "EXPERIMENTS", "SUBCOMMANDS", "specs", "run_experiment",
            "fit_power_law", "compute_advantage", "write_report", "main"]
@@ -274,8 +277,6 @@ def run_key(spec: RunSpec, budget_name: str) -> str:
 
 
 def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
-    from .train import make_config
-
     base = {
         "steps": budget.steps, "batch_size": budget.batch_size, "seq_len": budget.seq_len,
         "eval_interval": budget.eval_interval, "eval_batches": budget.eval_batches, "lr": budget.lr,
@@ -327,9 +328,6 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
         check_budget(exp_dir, budget_name)
 
     from tqdm.auto import tqdm
-
-    from .data import load_corpus
-    from .train import load_summary, train
 
     todo = [s for s in specs(experiment, budget) if not only or only & {s.variant, s.name, s.group}]
     train_list = todo if shard is None else todo[shard[0]::shard[1]]
@@ -541,8 +539,6 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
 def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
 
     from . import analysis
-    from .checkpoint import load_latest
-    from .data import eval_batches, load_corpus
     from .model import GPT, GPTConfig
 
     corpus = load_corpus(None, vocab_size=256)

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .connections import LEGACY_NAMES, ResidualConfig, make_connection, resolve_block_size
-from .typed import check_field_types
+from .typed import check_field_types, option
 
 __all__ = ["GPTConfig", "GPT", "KVCache"]
 
@@ -39,17 +39,17 @@ class GPTConfig:
     ``norm_eps`` and ``init_std`` must be finite and > 0.
     """
 
-    vocab_size: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    seq_len: int = 256
+    vocab_size: int = option(256, "vocabulary size (256 for byte tokens)")
+    n_layer: int = option(4, "transformer blocks (L = 2 * n_layer sublayers: attention and MLP)")
+    n_head: int = option(4, "attention heads")
+    d_model: int = option(128, "model width")
+    seq_len: int = option(256, "context length in tokens")
     residual: ResidualConfig = field(default_factory=ResidualConfig)
-    mlp_hidden: int | None = None  # default: 8/3 * d_model rounded up to a multiple of 64
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    init_std: float = 0.02
-    tie_embeddings: bool = False
+    mlp_hidden: int | None = option(None, "SwiGLU hidden width (default 8/3 d_model rounded up to 64)")
+    rope_theta: float = option(10000.0, "RoPE base")
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    init_std: float = option(0.02, "std of the normal initialisation")
+    tie_embeddings: bool = option(False, "tie the LM head to the token embedding")
 
     def __post_init__(self) -> None:
         if isinstance(self.residual, str):

@@ -8,18 +8,22 @@ flag per field, nested dataclasses flattened) and the docs. No second table of n
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, field, fields
 from typing import Any
 
-__all__ = ["option", "optional_type", "check_field_types", "check_choices", "field_default"]
+__all__ = ["check_choices", "check_field_types", "choices_of", "field_default", "flat_name", "is_config_class",
+           "option", "optional_type"]
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: str | None = None,
-           **meta: Any) -> Any:
+def option(default: Any, help: str, *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
+           flag: str | None = None, **meta: Any) -> Any:
     """A dataclass field with its help text (and choices, a flag name other than the field's) kept
-    beside the default. A list or dict default is copied per instance."""
+    beside the default. ``choices`` may be a function returning them (a registry filled later). A
+    list or dict default is copied per instance."""
     metadata = {"help": help, "choices": choices, "flag": flag, **meta}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -35,38 +39,61 @@ def optional_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def is_config_class(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
 # the values each annotated field type accepts (an int passes for a float; a bool is no number)
 _TYPE_CHECKS = {
     bool: lambda v: isinstance(v, bool),
     int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     str: lambda v: isinstance(v, str),
 }
 
 
+def _article(name: str) -> str:
+    return "an" if name[0] in "aeiou" else "a"
+
+
 def check_field_types(config: Any) -> None:
-    """Every field of the dataclass ``config`` holds a value of its annotated type: a JSON
-    ``"key_norm": "false"`` or ``"lr": "fast"`` fails here, naming the field, instead of being
-    taken as true or failing deep inside. Fields of another type (nested configs) are left to
-    their own checks."""
+    """Every field of the dataclass ``config`` (nested dataclasses included) holds a value of its
+    annotated type: a JSON ``"key_norm": "false"`` or ``"lr": "fast"`` fails here, naming the
+    option by its flat name, instead of being taken as true or failing deep inside."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
         tp, optional = optional_type(hints[f.name])
         if optional and value is None:
             continue
+        if is_config_class(tp):
+            if not isinstance(value, tp):
+                raise ValueError(f"{f.name}: expected {_article(tp.__name__)} {tp.__name__}, got {value!r}")
+            check_field_types(value)
+            continue
         ok = _TYPE_CHECKS.get(tp)
         if ok is not None and not ok(value):
-            article = "an" if tp.__name__[0] in "aeiou" else "a"
-            raise ValueError(
-                f"{f.name}: expected {article} {tp.__name__}{' or None' if optional else ''}, got {value!r}"
-            )
+            raise ValueError(f"{flat_name(f)}: expected {_article(tp.__name__)} {tp.__name__}"
+                             f"{' or None' if optional else ''}, got {value!r}")
+
+
+def flat_name(f: dataclasses.Field) -> str:
+    """``metadata["flag"]`` (``"residual"`` or ``"--residual"``) as a name, else the field's name."""
+    flag = f.metadata.get("flag")
+    return flag.lstrip("-").replace("-", "_") if flag else f.name
+
+
+
+def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The choices a field declares (called when given as a function), or ``None``."""
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
 
 
 def check_choices(config: Any) -> None:
     """Every field that declares ``choices`` holds one of them."""
     for f in fields(config):
-        choices = f.metadata.get("choices")
+        choices = choices_of(f)
         value = getattr(config, f.name)
         if choices and value not in choices:
             raise ValueError(f"{f.name}: expected one of {tuple(choices)}, got {value!r}")

@@ -49,6 +49,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..connections import LEGACY_NAMES, Connection, ResidualConfig, make_connection
 from ..model import GPT, CausalSelfAttention, GPTConfig, rope_tables
+from ..training import tokenizer as tok
+from ..training.checkpoint import read_checkpoint, save_checkpoint
+from ..training.data import BYTE_TOKENIZER
 
 __all__ = [
     "AttnResConfig",
@@ -352,8 +355,6 @@ def to_gpt(model: AttnResForCausalLM) -> GPT:
 
 def _read_run(run_dir: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict, int]:
     """Model config, model weights, run config and step of a run directory."""
-    from ..checkpoint import read_checkpoint
-
     ckpt = run_dir / "checkpoint.safetensors"
     tensors, info = read_checkpoint(ckpt)
     config_json = run_dir / "config.json"
@@ -402,9 +403,6 @@ def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
 
 def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig, out_dir: Path) -> str:
     """Save the run's tokenizer next to the model; returns what was done (for the CLI)."""
-    from .. import tokenizer as tok
-    from ..data import BYTE_TOKENIZER
-
     path = tok.tokenizer_path_of(run_config)
     used = (run_config.get("data") or {}).get("tokenizer", BYTE_TOKENIZER)
     if path is not None:
@@ -424,8 +422,6 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike) -> Path:
     run's ``"train"`` and ``"data"`` sections (its corpus, tokenizer and hyperparameters); returns
     the checkpoint path.
     """
-    from ..checkpoint import save_checkpoint
-
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     hf = AttnResForCausalLM.from_pretrained(hf_dir, local_files_only=True)
     gpt = to_gpt(hf)

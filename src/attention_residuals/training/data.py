@@ -362,7 +362,7 @@ def _load_cached(entry: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
 
 def _datasets_rows(files: list[Path], cache_dir: Path) -> Iterator[str]:
     """Each file's text as one row, through the Hugging Face ``datasets`` "text" builder."""
-    import datasets
+    import datasets  # local: slow to import, needed only to tokenize a --data corpus not cached yet
 
     bars_were_off = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()

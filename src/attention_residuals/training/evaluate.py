@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..model import GPT
 from .checkpoint import CheckpointError, load_checkpoint
+from .config import TrainConfig
 from .data import BYTE_TOKENIZER
-from .model import GPT
-from .train import CHECKPOINT_FILE, CONFIG_FILE, TrainConfig, estimate_loss, load_corpus_for, resolve_device
+from .loop import estimate_loss, load_corpus_for, resolve_device
+from .run import CHECKPOINT_FILE, CONFIG_FILE
 
 __all__ = ["evaluate_run", "load_run", "main"]
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..model import GPT
+from . import tokenizer as tok
 from .checkpoint import CheckpointError
 from .data import BYTE_TOKENIZER, byte_decode, byte_encode
 from .evaluate import load_run
-from .model import GPT
 
 __all__ = ["generate_text", "run_codec", "main"]
 
@@ -87,8 +88,6 @@ def run_codec(record: dict, tokenizer: str | Path | None = None) -> tuple[Callab
     if used == BYTE_TOKENIZER:
         raise ValueError(f"--tokenizer {tokenizer}: the run was trained on bytes, not with a tokenizer; "
                          "leave --tokenizer out")
-    from . import tokenizer as tok
-
     path = Path(tokenizer) if tokenizer is not None else tok.tokenizer_path_of(record)
     if path is None:
         raise ValueError(f"the run was trained with tokenizer {used!r} but its config.json records no "

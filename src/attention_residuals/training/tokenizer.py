@@ -13,11 +13,11 @@ the empty string included): text is mapped to its UTF-8 bytes before the merges,
 unknown token. The special token ``<|endoftext|>`` (id 0) ends documents.
 
 :func:`byte_tokenizer` is the same format for the default byte tokens (id = byte value, vocab
-256, identical to :func:`attention_residuals.data.byte_encode`), so a byte-level model exported
+256, identical to :func:`attention_residuals.training.data.byte_encode`), so a byte-level model exported
 with ``attnres export-hf`` comes with a working ``AutoTokenizer`` too.
 
 Python: :func:`train_bpe`, :func:`load_tokenizer`, :func:`load_encoder` (the hook for
-:func:`attention_residuals.data.load_corpus`: ``encode``, ``vocab_size``, ``tokenizer_id``).
+:func:`attention_residuals.training.data.load_corpus`: ``encode``, ``vocab_size``, ``tokenizer_id``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import data as d
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
@@ -54,13 +56,13 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def _wrap(tok, **special):
     """A ``tokenizers.Tokenizer`` as a ``transformers`` fast tokenizer (the HF format on save)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # local: the hf extra
 
     return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False, **special)
 
 
 def _byte_level(tok):
-    from tokenizers import decoders, pre_tokenizers, processors
+    from tokenizers import decoders, pre_tokenizers, processors  # local: the hf extra
 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -82,7 +84,7 @@ def train_bpe(
     the merges (fewer when the text runs out of pairs seen ``min_frequency`` times). The first
     special token is the tokenizer's ``eos_token``.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # local: the hf extra
 
     specials = list(special_tokens)
     if vocab_size < 256 + len(specials):
@@ -103,7 +105,7 @@ def train_bpe(
 
 def byte_tokenizer():
     """The default byte tokens in HF format: id ``b`` is byte ``b`` (vocab 256, no merges)."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models  # local: the hf extra
 
     vocab = {char: b for b, char in enumerate(_byte_alphabet())}
     return _wrap(_byte_level(Tokenizer(models.BPE(vocab=vocab, merges=[]))))
@@ -124,7 +126,7 @@ def _byte_alphabet() -> list[str]:
 
 def load_tokenizer(path: str | os.PathLike):
     """``AutoTokenizer.from_pretrained(path)`` from local files only (never the network)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # local: the hf extra
 
     path = Path(path)
     if not (path / TOKENIZER_FILE).is_file():
@@ -141,7 +143,7 @@ def tokenizer_id(path: str | os.PathLike) -> str:
 @dataclass
 class TokenizerHook:
     """What ``attnres train --tokenizer PATH`` needs: pass ``encode``, ``vocab_size`` and
-    ``tokenizer_id`` to :func:`attention_residuals.data.load_corpus`; ``decode`` for samples."""
+    ``tokenizer_id`` to :func:`attention_residuals.training.data.load_corpus`; ``decode`` for samples."""
 
     path: str
     encode: Callable[[str], list[int]]
@@ -176,14 +178,12 @@ def load_tokenized_corpus(
     val_fraction: float | None = None,
     cache_dir: str | os.PathLike | None = None,
 ):
-    """``(Corpus, TokenizerHook)``: :func:`attention_residuals.data.load_corpus` on ``data`` with
+    """``(Corpus, TokenizerHook)``: :func:`attention_residuals.training.data.load_corpus` on ``data`` with
     the tokenizer saved at ``tokenizer`` (the glue ``attnres train --tokenizer PATH`` needs).
 
     ``vocab_size`` is the model's (default: the tokenizer's); it must hold every token id.
     The token cache is keyed by the tokenizer's content (:func:`tokenizer_id`).
     """
-    from . import data as d
-
     hook = load_encoder(tokenizer)
     vocab = hook.vocab_size if vocab_size is None else vocab_size
     if vocab < hook.vocab_size:
@@ -207,8 +207,6 @@ def tokenizer_path_of(run_config: dict) -> Path | None:
 
 def corpus_texts(data: str | None = None, *, val_fraction: float | None = None) -> Iterator[str]:
     """The training split of a corpus as text, one document per file (see module docstring)."""
-    from . import data as d
-
     frac = d.DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
     if data is None or data == d.STDLIB:
         root, rels = d.stdlib_files()
@@ -261,9 +259,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 
 def _default_val_fraction() -> float:
-    from .data import DEFAULT_VAL_FRACTION
-
-    return DEFAULT_VAL_FRACTION
+    return d.DEFAULT_VAL_FRACTION
 
 
 def build_parser() -> argparse.ArgumentParser:

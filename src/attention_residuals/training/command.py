@@ -1,0 +1,29 @@
+"""``attnres train``: parse the flags, train, print the summary's headline as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..parallel import data_parallel as _dp
+from .args import config_from_args
+from .checkpoint import CheckpointError
+from .loop import train
+from .run import RunError
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 (trained), 2 (bad input: the message names it), 130 (stopped by Ctrl-C, resumable)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        summary = train(config_from_args(argv))
+    except (ValueError, FileNotFoundError, RunError, CheckpointError) as e:
+        print(f"attnres train: error: {e}", file=sys.stderr)
+        return 2
+    if not _dp.is_main():
+        return 0
+    print(json.dumps({k: summary[k] for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
+                                              "params", "tokens_per_s", "wall_s")}))
+    return 130 if summary.get("interrupted") else 0

@@ -1,0 +1,287 @@
+"""The training config: :class:`TrainConfig`, its flat view, type checks and validation.
+
+Each option has one home: its field, whose metadata holds its help text, its choices and whether
+it is run control (``run_control``: steers this invocation, not part of the run's identity) or a
+plain on-switch (``switch``: ``--resume``, no ``--no-resume``).
+
+A config is a tree of dataclasses (``TrainConfig.model`` is a :class:`GPTConfig`, which may
+itself hold dataclass-valued fields), but its options are flat: the command line, a flat JSON
+config file and :func:`make_config` name each leaf by one name (``d_model``, ``steps``,
+``residual``). :func:`flat_fields` lists those leaves: a field whose type is a dataclass
+contributes its own fields instead of itself, and a nested field may declare
+``metadata["flag"]`` to be named otherwise (a ``rule`` field of a residual sub-config can be
+``--residual``). :func:`replace_flat` sets leaves by their flat names and rebuilds the nested
+values on the way (frozen ones too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..model import GPTConfig
+from ..typed import check_field_types, flat_name, is_config_class, option, optional_type
+from .optim import OPTIMIZERS, SCHEDULES, LRSchedule
+
+__all__ = [
+    "PATH_FIELDS",
+    "FlatField",
+    "TrainConfig",
+    "absolute_paths",
+    "check_field_types",
+    "flat_fields",
+    "flat_values",
+    "get_path",
+    "make_config",
+    "optional_type",
+    "replace_flat",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A field with its default and its metadata (``help``, ``choices``, ``run_control``, ``switch``)."""
+    return option(default, help, run_control=meta.pop("run_control", False), **meta)
+
+
+def _rc(default: Any, help: str, **meta: Any) -> Any:
+    """A run-control field: steers this invocation, not part of the run's identity."""
+    return _f(default, help, run_control=True, **meta)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. ``model`` is a :class:`GPTConfig`; the rest is training.
+
+    Fields marked run-control (``out``, ``resume``, ``overwrite``, ``stop_at``, ``progress``,
+    ``device``, ``cache_dir``) steer this invocation and are not part of the run's identity:
+    they are not compared on ``--resume``.
+    """
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    # optimisation
+    steps: int = _f(1000, "optimizer steps in the whole run")
+    batch_size: int = _f(16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    optimizer: str = _f("adamw", "adamw, or muon (Muon on sublayer matrices, AdamW on the rest)", choices=OPTIMIZERS)
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine / WSD decay")
+    warmup: int = _f(100, "linear warmup steps")
+    schedule: str = _f("cosine", "learning-rate schedule", choices=SCHEDULES)
+    decay_frac: float = _f(0.2, "WSD: fraction of the steps spent decaying")
+    weight_decay: float = _f(0.1, "decoupled weight decay of 2-D weights (never on norms or residual.*)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    dtype: str = _f("float32", "autocast dtype of the forward pass", choices=DTYPES)
+    seed: int = _f(0, "seed of the initialisation and of the training batches")
+    # data
+    data: str | None = _f(None, "text file, folder or glob (default: the Python standard library's .py files)")
+    val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)")
+    tokenizer: str | None = _f(None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes")
+    # logging / evaluation / checkpoints
+    eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)")
+    eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)")
+    log_interval: int = _f(10, "write a metrics row every this many steps")
+    ckpt_interval: int = _f(0, "save a checkpoint every this many steps (0: at every evaluation)")
+    # run control: not part of the run's identity
+    out: str = _rc("runs/train", "run directory")
+    resume: bool = _rc(False, "continue the run in --out from its checkpoint (starts fresh if there is none)",
+                       switch=True)
+    overwrite: bool = _rc(False, "delete the run files in --out and start again", switch=True)
+    stop_at: int | None = _rc(None, "stop (checkpointed, resumable) after this step; the schedule still spans --steps")
+    progress: bool = _rc(True, "show a progress bar")
+    device: str = _rc("auto", "cpu, cuda, cuda:N or auto")
+    cache_dir: str | None = _rc(None, "token cache folder (default $ATTNRES_CACHE or ~/.cache/attention_residuals)")
+
+    @classmethod
+    def run_control_fields(cls) -> set[str]:
+        return {f.name for f in fields(cls) if f.metadata.get("run_control")}
+
+    def identity(self) -> dict:
+        """The part of the config that defines the run: model + non-run-control training fields."""
+        rc = self.run_control_fields()
+        train = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model" and f.name not in rc}
+        return {"model": self.model.to_dict(), "train": train}
+
+    def to_dict(self) -> dict:
+        d = self.identity()
+        d["run"] = {name: getattr(self, name) for name in sorted(self.run_control_fields())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """From :meth:`to_dict` / a run's ``config.json`` (unknown training keys are an error)."""
+        known = {f.name for f in fields(cls)} - {"model"}
+        flat = dict(d.get("train", {}))
+        flat.update(d.get("run", {}))
+        unknown = set(flat) - known
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown fields {sorted(unknown)}")
+        return cls(model=GPTConfig.from_dict(d.get("model", {})), **flat)
+
+    def replace(self, **overrides: Any) -> TrainConfig:
+        """A copy with flat overrides routed to their fields, however deep (see :func:`replace_flat`)."""
+        return replace_flat(self, **overrides)
+
+    def validate(self) -> TrainConfig:
+        """Raise ``ValueError`` naming the field."""
+        check_field_types(self)
+        self.model.validate()
+        for name in ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        if self.ckpt_interval < 0:
+            raise ValueError(f"ckpt_interval: expected >= 0, got {self.ckpt_interval}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: expected >= 0, got {self.grad_clip}")
+        if self.stop_at is not None and not 0 <= self.stop_at:
+            raise ValueError(f"stop_at: expected >= 0, got {self.stop_at}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite: give at most one of them")
+        LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
+        return self
+
+
+def make_config(**overrides: Any) -> TrainConfig:
+    """``TrainConfig`` from flat keywords: model fields (``residual=``, ``d_model=``...) go to
+    ``cfg.model``, the others to the training config. ``make_config(residual="block", n_blocks=4,
+    steps=300, out="runs/b4")``."""
+    return TrainConfig().replace(**overrides)
+
+
+# --------------------------------------------------------------------------- paths
+
+PATH_FIELDS = ("data", "tokenizer")  # recorded as absolute paths
+
+
+def absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``data`` and ``tokenizer`` as absolute paths: the run directory records them, and ``eval`` or
+    ``--resume`` may read it from another working directory."""
+    return dataclasses.replace(cfg, **{k: absolute(v) for k in PATH_FIELDS if (v := getattr(cfg, k))})
+
+
+# --------------------------------------------------------------------------- the flat view
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """One leaf option of a tree of config dataclasses, as the command line names it."""
+
+    name: str  # flat name: the flag's dest and the make_config keyword (``d_model``, ``residual``)
+    path: tuple[str, ...]  # attributes from the root to the leaf (``("model", "d_model")``)
+    field: dataclasses.Field  # its metadata: help, choices, run_control, switch
+    type: Any  # the resolved annotation
+    owner: type  # the dataclass declaring it
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def meta(self) -> typing.Mapping[str, Any]:
+        return self.field.metadata
+
+
+@functools.cache
+def flat_fields(cls: type) -> tuple[FlatField, ...]:
+    """The leaves of the dataclass ``cls`` in field order: a field whose type is a dataclass is
+    replaced by its own leaves (recursively). Two leaves with one flat name are an error."""
+    out: list[FlatField] = []
+
+    def walk(c: type, prefix: tuple[str, ...]) -> None:
+        hints = typing.get_type_hints(c)
+        for f in fields(c):
+            if is_config_class(hints[f.name]):
+                walk(hints[f.name], (*prefix, f.name))
+            else:
+                out.append(FlatField(flat_name(f), (*prefix, f.name), f, hints[f.name], c))
+
+    walk(cls, ())
+    seen: dict[str, FlatField] = {}
+    for ff in out:
+        if ff.name in seen:
+            raise TypeError(f"{cls.__name__}: the options {'.'.join(seen[ff.name].path)} and "
+                            f"{'.'.join(ff.path)} share the flat name {ff.name!r}")
+        seen[ff.name] = ff
+    return tuple(out)
+
+
+@functools.cache
+def _branches(cls: type) -> dict[str, tuple[tuple[str, ...], type]]:
+    """The dataclass-valued fields below ``cls`` by name: ``{"model": (("model",), GPTConfig)}``."""
+    out: dict[str, tuple[tuple[str, ...], type]] = {}
+
+    def walk(c: type, prefix: tuple[str, ...]) -> None:
+        hints = typing.get_type_hints(c)
+        for f in fields(c):
+            if is_config_class(hints[f.name]):
+                out.setdefault(f.name, ((*prefix, f.name), hints[f.name]))
+                walk(hints[f.name], (*prefix, f.name))
+
+    walk(cls, ())
+    return out
+
+
+def get_path(obj: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        obj = getattr(obj, name)
+    return obj
+
+
+def flat_values(obj: Any) -> dict[str, Any]:
+    """The leaves of the dataclass ``obj`` by flat name: ``{"d_model": 128, ..., "steps": 1000, ...}``."""
+    return {ff.name: get_path(obj, ff.path) for ff in flat_fields(type(obj))}
+
+
+def replace_flat(obj: Any, /, **values: Any) -> Any:
+    """A copy of the dataclass ``obj`` with options set by their flat names, however deep:
+    ``replace_flat(cfg, d_model=64, steps=10)``. Each nested value on the way is rebuilt once
+    (``dataclasses.replace``, frozen ones too) with all its changes at once. A key naming a
+    dataclass-valued field (``model=GPTConfig(...)``) replaces that value whole, before the leaf
+    options are applied on it; when a leaf has that name too, the value's type decides. An
+    unknown name is a ``TypeError`` ("unknown config field")."""
+    leaves = {ff.name: ff.path for ff in flat_fields(type(obj))}
+    branches = _branches(type(obj))
+    whole: dict[tuple[str, ...], Any] = {}
+    parts: dict[tuple[str, ...], Any] = {}
+    for key, value in values.items():
+        branch = branches.get(key)
+        if branch is not None and (key not in leaves or isinstance(value, branch[1])):
+            whole[branch[0]] = value
+        elif key in leaves:
+            parts[leaves[key]] = value
+        else:
+            raise TypeError(f"unknown config field {key!r}")
+    return _rebuild(obj, {**whole, **parts})
+
+
+def _rebuild(obj: Any, updates: dict[tuple[str, ...], Any]) -> Any:
+    """``obj`` with ``updates`` (path -> value, paths relative to ``obj``) applied: a whole nested
+    value first, then the deeper updates on it."""
+    direct = {path[0]: value for path, value in updates.items() if len(path) == 1}
+    deeper: dict[str, dict[tuple[str, ...], Any]] = {}
+    for path, value in updates.items():
+        if len(path) > 1:
+            deeper.setdefault(path[0], {})[path[1:]] = value
+    for name, sub in deeper.items():
+        direct[name] = _rebuild(direct.get(name, getattr(obj, name)), sub)
+    return dataclasses.replace(obj, **direct)

@@ -1,0 +1,512 @@
+"""The training loop: ``train(cfg)`` trains, resumes or skips the run ``cfg`` describes.
+
+:func:`train` is the Python entry point (sweeps call it; it returns the summary dict).
+``--resume`` continues a run exactly: training ``N`` steps with ``--stop-at N`` then resuming
+gives bit-for-bit the losses of ``2N`` steps in one go (batches are a function of
+``(seed, step)``, and every piece of state is in the checkpoint). What to do with an existing run
+directory is :func:`.run.plan_run`'s decision.
+
+The pieces, in the order a run uses them: a :class:`RunContext` (what stays fixed: config,
+device, corpus, identity), a :class:`TrainState` (what changes: model, optimizer, scheduler,
+step, counters; all of it checkpointed), :func:`train_step` (one optimizer step), a
+:class:`MetricsWriter` (the rows of ``metrics.jsonl``), :func:`evaluate`, :func:`save_state` /
+:func:`resume_state` (checkpoints) and :func:`summarize` (``summary.json``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..model import GPT
+from ..parallel import data_parallel as _dp
+from ..parallel.dist import DistEnv
+from .checkpoint import load_latest, save_checkpoint
+from .config import TrainConfig, absolute_paths, flat_values
+from .data import Corpus, eval_batches, get_batch, load_corpus
+from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .run import (
+    CHECKPOINT_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    RunError,
+    clear_run,
+    command_line,
+    log,
+    plan_run,
+    run_identity,
+    run_record,
+    start_run_files,
+    truncate_metrics,
+    write_json,
+)
+from .tokenizer import load_tokenized_corpus
+
+__all__ = [
+    "MetricsWriter",
+    "RunContext",
+    "StepResult",
+    "TrainState",
+    "autocast",
+    "estimate_loss",
+    "evaluate",
+    "load_corpus_for",
+    "resolve_device",
+    "resume_state",
+    "save_state",
+    "summarize",
+    "train",
+    "train_step",
+]
+
+
+# --------------------------------------------------------------------------- devices, data, losses
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} requested but CUDA is not available")
+    return dev
+
+
+def autocast(device: torch.device, dtype: str):
+    """The forward pass's autocast context (none for float32)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    *,
+    n_batches: int,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | str = "cpu",
+    dtype: str = "float32",
+) -> float:
+    """Mean cross-entropy (nats/token) over the fixed validation windows of ``tokens``."""
+    was_training = model.training
+    model.eval()
+    dev = torch.device(device)
+    total = 0.0
+    try:
+        for x, y in eval_batches(tokens, n_batches, batch_size, seq_len, device=dev):
+            with autocast(dev, dtype):
+                _, loss = model(x, y)
+            total += float(loss)
+    finally:
+        model.train(was_training)
+    return total / n_batches
+
+
+def load_corpus_for(cfg: TrainConfig) -> Corpus:
+    """The corpus a run trains on: ``cfg.data`` in bytes, or through ``cfg.tokenizer``."""
+    if cfg.tokenizer is None:
+        return load_corpus(cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction,
+                           cache_dir=cfg.cache_dir)
+    corpus, _ = load_tokenized_corpus(cfg.tokenizer, cfg.data, vocab_size=cfg.model.vocab_size,
+                                      val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
+    return corpus
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+# --------------------------------------------------------------------------- the run's pieces
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What stays fixed while a run trains."""
+
+    cfg: TrainConfig
+    env: DistEnv  # data-parallel rank and world size (a single process: rank 0 of 1)
+    device: torch.device
+    corpus: Corpus
+    identity: dict  # what a resume must match (config identity + corpus)
+    micro_batch: int  # this rank's rows of each global micro-batch
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    @property
+    def is_main(self) -> bool:  # only rank 0 writes the run directory
+        return self.env.is_main
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.cfg.model.seq_len * self.cfg.grad_accum * self.env.world_size
+
+    @property
+    def end(self) -> int:
+        """The step this invocation stops after (``--stop-at``, else the last one)."""
+        return self.cfg.steps if self.cfg.stop_at is None else min(self.cfg.steps, self.cfg.stop_at)
+
+
+def make_context(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> RunContext:
+    """The device, the corpus (loaded here unless given; rank 0 first: it fills the token cache
+    the other ranks then read), checked against the model, and the run's identity."""
+    device = _dp.device_for(env, resolve_device(cfg.device))
+    if corpus is None:
+        corpus = _dp.main_first(env, lambda: load_corpus_for(cfg))
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}")
+    corpus.check_fits(cfg.model.seq_len)
+    micro_batch = _dp.local_batch(cfg.batch_size, env)
+    return RunContext(cfg, env, device, corpus, run_identity(cfg, corpus.info()), micro_batch)
+
+
+# the counters a checkpoint's ``extra`` holds, with their defaults
+_COUNTERS = {"tokens": 0, "wall_s": 0.0, "train_s": 0.0, "window_tokens": 0, "window_s": 0.0,
+             "last_train_loss": None, "last_val_loss": None, "best_val_loss": None}
+
+
+@dataclass
+class TrainState:
+    """Everything that changes while training; a checkpoint holds all of it (weights, optimizer,
+    scheduler and RNG, and the counters as its ``extra``)."""
+
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    net: torch.nn.Module | None = None  # what the forward pass calls: the model, or its DDP wrapper
+    step: int = 0  # optimizer steps done
+    tokens: int = 0  # training tokens seen, all ranks
+    train_s: float = 0.0  # seconds spent in train_step
+    window_tokens: int = 0  # tokens / seconds since the last metrics row (its tokens_per_s)
+    window_s: float = 0.0
+    last_train_loss: float | None = None
+    last_val_loss: float | None = None
+    best_val_loss: float | None = None
+    wall_offset: float = 0.0  # wall seconds of the earlier invocations of this run
+    clock: float = field(default_factory=time.perf_counter)  # when this invocation's clock started
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def wall(self) -> float:
+        return self.wall_offset + time.perf_counter() - self.clock
+
+    def counters(self) -> dict[str, Any]:
+        """The checkpoint's ``extra``."""
+        return {name: self.wall() if name == "wall_s" else getattr(self, name) for name in _COUNTERS}
+
+    def restore_counters(self, extra: dict[str, Any]) -> None:
+        for name, default in _COUNTERS.items():
+            value = extra.get(name, default)
+            if name == "wall_s":
+                self.wall_offset = float(value)
+            else:
+                setattr(self, name, value if default is None else type(default)(value))
+
+    def advance(self, loss: float, tokens: int, seconds: float) -> None:
+        """Account for one optimizer step."""
+        self.step += 1
+        self.last_train_loss = loss
+        self.train_s += seconds
+        self.window_s += seconds
+        self.tokens += tokens
+        self.window_tokens += tokens
+
+    def record_val(self, loss: float) -> None:
+        self.last_val_loss = loss
+        self.best_val_loss = loss if self.best_val_loss is None else min(self.best_val_loss, loss)
+
+    def take_window_rate(self) -> float | None:
+        """Tokens per second since the last call (the last metrics row); starts a new window."""
+        rate = self.window_tokens / self.window_s if self.window_s > 0 else None
+        self.window_tokens, self.window_s = 0, 0.0
+        return rate
+
+
+def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
+    """A freshly initialised model (seeded by ``cfg.seed``), its optimizer and its schedule."""
+    seed_everything(cfg.seed)
+    model = GPT(cfg.model).to(device)
+    optimizer = build_optimizer(
+        model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
+    )
+    scheduler = build_scheduler(
+        optimizer, cfg.schedule, steps=cfg.steps, warmup=cfg.warmup, lr=cfg.lr, min_lr=cfg.min_lr,
+        decay_frac=cfg.decay_frac,
+    )
+    return TrainState(model, optimizer, scheduler)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    lr: float  # the learning rate the step used
+    loss: float  # mean training loss of its micro-batches, over all ranks
+    grad_norm: torch.Tensor  # total gradient norm before clipping
+    seconds: float
+
+
+def train_step(ctx: RunContext, state: TrainState) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-batches (each a function of the seed, the
+    step and the rank); advances ``state``."""
+    cfg, A, T = ctx.cfg, ctx.cfg.grad_accum, ctx.cfg.model.seq_len
+    lr = state.lr
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=ctx.device)
+    for micro in range(A):
+        x, y = get_batch(ctx.corpus.train, ctx.micro_batch, T, seed=cfg.seed, step=state.step * A + micro,
+                         rank=ctx.env.rank, world_size=ctx.env.world_size, device=ctx.device)
+        with _dp.sync_context(state.net, micro == A - 1):  # DDP: all-reduce on the last one only
+            with autocast(ctx.device, cfg.dtype):
+                _, loss = state.net(x, y)
+            (loss / A).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    mean_loss = float(_dp.mean(loss_sum, ctx.env)) / A
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds = time.perf_counter() - t0
+    state.advance(mean_loss, ctx.tokens_per_step, seconds)
+    return StepResult(lr, mean_loss, grad_norm, seconds)
+
+
+class MetricsWriter:
+    """Appends the rows of ``metrics.jsonl`` (on rank 0; elsewhere it writes nothing)."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self._file = open(path, "a") if enabled else None  # closed by __exit__
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def write(self, row: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def first_row(self, state: TrainState) -> None:
+        """Step 0: the validation loss of the initial model."""
+        self.write({"step": 0, "train_loss": None, "val_loss": state.last_val_loss, "lr": state.lr,
+                    "tokens": 0, "tokens_per_s": None, "wall_s": round(state.wall(), 3)})
+
+    def step_row(self, state: TrainState, result: StepResult, val_loss: float | None) -> None:
+        tps = state.take_window_rate()
+        self.write({"step": state.step, "train_loss": result.loss, "val_loss": val_loss, "lr": result.lr,
+                    "tokens": state.tokens, "tokens_per_s": None if tps is None else round(tps, 1),
+                    "wall_s": round(state.wall(), 3), "grad_norm": float(result.grad_norm)})
+
+
+def evaluate(ctx: RunContext, state: TrainState) -> float:
+    """The validation loss (fixed windows of the global batch size), recorded in ``state``."""
+    cfg = ctx.cfg
+    loss = estimate_loss(state.model, ctx.corpus.val, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                         seq_len=cfg.model.seq_len, device=ctx.device, dtype=cfg.dtype)
+    state.record_val(loss)
+    return loss
+
+
+def save_state(ctx: RunContext, state: TrainState) -> None:
+    """Checkpoint ``state`` (rank 0; the previous checkpoint is kept beside it)."""
+    if ctx.is_main:
+        save_checkpoint(
+            ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
+            step=state.step, config=ctx.identity, keep_previous=True, extra=state.counters(),
+        )
+
+
+def resume_state(ctx: RunContext, state: TrainState) -> None:
+    """Load the newest good checkpoint into ``state`` (RNG included) and drop the metrics rows
+    written after it."""
+    info, warnings = load_latest(ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer,
+                                 scheduler=state.scheduler)
+    for w in warnings:
+        log(f"warning: {w}")
+    state.step = info["step"]
+    state.restore_counters(info["extra"])
+    if ctx.is_main:
+        truncate_metrics(ctx.out, state.step)
+    log(f"{ctx.out}: resuming at step {state.step}/{ctx.cfg.steps}")
+
+
+class ProgressBar:
+    """The tqdm bar of rank 0 (none with ``--no-progress`` or nothing to train)."""
+
+    def __init__(self, ctx: RunContext, start: int) -> None:
+        shown = ctx.is_main and ctx.cfg.progress and ctx.end > start
+        self._bar = tqdm(total=ctx.end, initial=start, desc=ctx.out.name, unit="step", dynamic_ncols=True,
+                         file=sys.stderr) if shown else None
+
+    def update(self, state: TrainState, result: StepResult, tokens_per_step: int) -> None:
+        if self._bar is None:
+            return
+        post = {"loss": f"{result.loss:.4f}", "tok/s": f"{tokens_per_step / result.seconds:,.0f}"}
+        if state.last_val_loss is not None:
+            post["val"] = f"{state.last_val_loss:.4f}"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class StopRequest:
+    """Ctrl-C during training: the first finishes the step, checkpoints and stops (resumable with
+    ``--resume``, exactly); a second aborts at once. Only in the main thread of a single process
+    (under torchrun the launcher owns the signal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> StopRequest:
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log("\ninterrupted: stopping after this step with a checkpoint (Ctrl-C again to abort)")
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _due(step: int, every: int) -> bool:
+    return step % every == 0
+
+
+def after_step(ctx: RunContext, state: TrainState, result: StepResult, metrics: MetricsWriter,
+               stopping: bool) -> None:
+    """The bookkeeping of a step: check the loss, evaluate, log, checkpoint, each when due."""
+    cfg, done = ctx.cfg, state.step
+    if not math.isfinite(result.loss):
+        raise RunError(f"{ctx.out}: the training loss became {result.loss} at step {done}; lower --lr?")
+    last = done == cfg.steps
+    val = evaluate(ctx, state) if _due(done, cfg.eval_interval) or last else None
+    if _due(done, cfg.log_interval) or val is not None or last:
+        metrics.step_row(state, result, val)
+    if _due(done, cfg.ckpt_interval or cfg.eval_interval) or done == ctx.end or stopping:
+        save_state(ctx, state)
+
+
+def run_steps(ctx: RunContext, state: TrainState, metrics: MetricsWriter, stop: StopRequest) -> bool:
+    """Train from ``state.step`` to ``ctx.end``; True when a Ctrl-C stopped it (checkpointed)."""
+    bar = ProgressBar(ctx, state.step)
+    state.model.train()
+    interrupted = False
+    while state.step < ctx.end and not interrupted:
+        result = train_step(ctx, state)
+        interrupted = stop.requested  # read once: a step that stops is a step that checkpoints
+        after_step(ctx, state, result, metrics, interrupted)
+        bar.update(state, result, ctx.tokens_per_step)
+    if interrupted:
+        log(f"{ctx.out}: stopped at step {state.step}/{ctx.cfg.steps}; continue with --resume")
+    bar.close()
+    return interrupted
+
+
+def summarize(ctx: RunContext, state: TrainState, interrupted: bool) -> dict:
+    """The content of ``summary.json`` (``world_size`` is added on rank 0)."""
+    cfg, model = ctx.cfg, state.model
+    return {
+        "done": state.step >= cfg.steps,
+        "interrupted": interrupted,
+        "step": state.step,
+        "steps": cfg.steps,
+        "run_dir": str(ctx.out),
+        "residual": flat_values(cfg)["residual"],
+        "final_train_loss": state.last_train_loss,
+        "final_val_loss": state.last_val_loss,
+        "best_val_loss": state.best_val_loss,
+        "params": model.num_params(),
+        "params_total": model.num_params(non_embedding=False),
+        "flops_per_token": model.flops_per_token(),
+        "tokens": state.tokens,
+        "tokens_per_s": state.tokens / state.train_s if state.train_s > 0 else None,
+        "train_s": round(state.train_s, 3),
+        "wall_s": round(state.wall(), 3),
+        "device": str(ctx.device),
+        "corpus": ctx.corpus.info(),
+        "command": command_line(cfg),
+    }
+
+
+def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
+    """Train (or resume, or skip) the run ``cfg`` describes; returns its summary dict.
+
+    ``corpus`` overrides ``cfg.data`` (sweeps load a corpus once and share it). Raises
+    ``ValueError`` for a bad config, ``FileNotFoundError``/``ValueError`` for bad ``--data``,
+    :class:`RunError` for an occupied run directory, :class:`ConfigMismatchError` when resuming
+    with another config, and ``CheckpointError`` when no good checkpoint is left.
+    """
+    cfg = absolute_paths(cfg.validate())
+    env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
+    try:
+        return _train(cfg, corpus, env)
+    finally:
+        _dp.teardown()
+
+
+def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
+    ctx = make_context(cfg, corpus, env)
+    plan = plan_run(cfg, ctx.identity)
+    if plan.finished is not None:
+        return plan.finished
+    _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
+    if plan.clear and ctx.is_main:
+        clear_run(ctx.out)
+    state = build_state(cfg, ctx.device)
+    if plan.resume:
+        resume_state(ctx, state)
+    elif ctx.is_main:
+        start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
+    state.net = _dp.wrap(state.model, env)
+    state.clock = time.perf_counter()
+    with MetricsWriter(ctx.out / METRICS_FILE, ctx.is_main) as metrics, StopRequest(env.world_size == 1) as stop:
+        if state.step == 0 and not plan.resume:
+            evaluate(ctx, state)
+            metrics.first_row(state)
+        interrupted = run_steps(ctx, state, metrics, stop)
+    summary = summarize(ctx, state, interrupted)
+    if ctx.is_main:
+        summary["world_size"] = env.world_size
+        write_json(ctx.out / SUMMARY_FILE, summary)
+    _dp.barrier(env)
+    return summary
