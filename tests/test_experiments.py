@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from attention_residuals import experiments as ex
+from attention_residuals.experiments import analyses, runner
 
 
 def test_fit_power_law_recovers_parameters():
@@ -39,7 +40,7 @@ def test_scaling_averages_the_seeds_of_a_point(tmp_path):
                  "final_val_loss": 2.0 * 0.9 ** sizes.index(s.group) + 0.01 * s.seed, "train_s": 1.0}
         for s in todo
     }
-    out = ex._scaling(todo, summaries, tmp_path, budget, {})
+    out = analyses._scaling(todo, summaries, tmp_path, budget, {})
     first = {r["variant"]: r for r in out["rows"] if r["size"] == sizes[0]}
     assert first["prenorm"]["seeds"] == 2 and first["prenorm"]["val_losses"] == [2.0, 2.01]
     assert first["prenorm"]["val_loss"] == pytest.approx(2.005)
@@ -102,9 +103,9 @@ def test_identical_runs_are_shared_between_experiments():
 def fake_training(monkeypatch, tmp_path):
     """Every run counts as finished (no training): run_experiment only tabulates, in seconds. Works
     from ``tmp_path`` so the default roots land there."""
-    monkeypatch.setattr(ex, "load_summary", lambda run_dir: {
+    monkeypatch.setattr(runner, "load_summary", lambda run_dir: {
         "done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0})
-    monkeypatch.setattr(ex, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -175,8 +176,8 @@ def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, c
         done = any(f"block_size-{v[1:]}" in name for v in finished) if "residual-block" in name else "prenorm" in finished
         return {"done": done, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0} if done else None
 
-    monkeypatch.setattr(ex, "load_summary", summary)
-    monkeypatch.setattr(ex, "train", lambda *a, **k: pytest.fail("nothing should train here"))
+    monkeypatch.setattr(runner, "load_summary", summary)
+    monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     assert ex.run_experiment("blocksize", "quick", tmp_path, only=["S=2"]) is None
     assert "no tables until every run" in capsys.readouterr().err
     assert not (tmp_path / "blocksize" / "results.json").exists()

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..report import markdown_table, new_figure
+from ..plotting import markdown_table, new_figure
 
 __all__ = ["main", "write_report"]
 

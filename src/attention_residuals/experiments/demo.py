@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .report import format_count, format_duration, markdown_table, plot_loss_curves, relpath
-from .training import ConfigMismatchError, RunError, make_config, read_metrics, train
-from .training.checkpoint import CheckpointError
-from .training.data import load_corpus
+from ..plotting import format_count, format_duration, markdown_table, plot_loss_curves, relpath
+from ..training import ConfigMismatchError, RunError, make_config, read_metrics, train
+from ..training.checkpoint import CheckpointError
+from ..training.data import load_corpus
 
 __all__ = ["DEMO_CONFIG", "DEMO_RUNS", "TINY_CONFIG", "demo", "main"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT
+from ..model import GPT
 
 __all__ = ["magnitudes", "gradient_norms", "depth_weights"]
 

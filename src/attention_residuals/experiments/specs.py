@@ -1,0 +1,254 @@
+"""The experiments' runs: budgets (presets of shared hyper-parameters), the variants of each
+experiment and :func:`specs`, the list of :class:`RunSpec` an experiment trains. A run's directory
+name (:func:`run_key`) spells out its config, so experiments that need the same run share it.
+
+Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 6 N + 12 n_layer d T``
+(N non-embedding parameters, T the context), in PFLOP/s-days (8.64e19 FLOPs) as in the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import GPT, GPTConfig
+
+__all__ = ["BUDGETS", "DEFAULT_ROOTS", "EXPERIMENTS", "REPORT_ROOT", "SUBCOMMANDS", "Budget", "RunSpec",
+           "ablation_variants", "baseline_params", "run_key", "specs", "study_variants"]
+
+PFLOPS_DAY = 8.64e19
+
+# The sub-commands of `attnres experiment`, name -> one line. `attnres --help` and
+# `attnres experiment --help` list them from here; add an experiment by adding a line (and its specs).
+SUBCOMMANDS: dict[str, str] = {
+    "scaling": "loss vs compute over several model sizes (PreNorm, Full, Block AttnRes, mHC), power-law fits",
+    "ablation": "the report's ablation rows (and two of ours) on one model, against the PreNorm baseline",
+    "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
+    "analysis": "hidden-state magnitudes, gradient norms and depth weights of three trained models",
+    "shape": "width vs depth (d_model / n_layer) at about fixed parameters, PreNorm and Block AttnRes",
+    "budget": "the AttnRes advantage vs training tokens per parameter (1 to 20), two depths, code and prose corpora",
+    "lr": "at the largest budget: each variant at its own best learning rate (a sweep) beside the shared one",
+    "report": "gather the finished experiments under --root into <root>/README.md",
+}
+EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
+# where an experiment writes when no --root is given: quick runs are scratch, full runs the committed results
+DEFAULT_ROOTS = {"quick": "runs/experiments", "full": "results"}
+REPORT_ROOT = "results"  # `attnres experiment report` without --root (and without --budget)
+
+# Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
+REPORT_ABLATION = {
+    "baseline": 1.766, "denseformer": 1.767, "mhc": 1.747, "full": 1.737, "block_s4": 1.746,
+    "swa_w8": 1.764, "input_query": 1.731, "mixing": 1.749, "sigmoid": 1.741, "multihead": 1.752,
+    "full_no_keynorm": 1.743, "block_no_keynorm": 1.750,
+}
+REPORT_SCALING = {"prenorm": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of an experiment: a name, a variant label and config overrides."""
+
+    name: str
+    variant: str
+    overrides: dict = field(hash=False)
+    seed: int = 0
+    group: str = ""  # e.g. the model size of a scaling run
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Shared training hyper-parameters of a budget preset (chosen for the baseline)."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    eval_interval: int
+    eval_batches: int
+    seeds: int
+    sizes: tuple[tuple[int, int, int, int], ...]  # (d_model, n_layer, n_head, steps)
+    mid: tuple[int, int, int]  # (d_model, n_layer, n_head) of the ablation / blocksize model
+    shapes: tuple[tuple[int, int, int], ...] = ()  # (d_model, n_layer, n_head) at ~ the mid model's parameters
+    lr: float = 3e-3
+    warmup: int = 50
+    # the budget study: model shapes (d_model, n_layer, n_head), tokens per parameter, corpora, lr sweep
+    study_shapes: tuple[tuple[int, int, int], ...] = ()
+    tokens_per_param: tuple[float, ...] = ()
+    corpora: tuple[str, ...] = ("stdlib",)
+    lrs: tuple[float, ...] = ()
+
+
+BUDGETS: dict[str, Budget] = {
+    # seconds in all: checks the pipeline end to end, not the numbers
+    "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
+                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), shapes=((32, 4, 2), (48, 2, 2)), warmup=2,
+                    study_shapes=((16, 1, 2), (16, 2, 2)), tokens_per_param=(0.02, 0.05),
+                    corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3)),
+    # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
+    "full": Budget(steps=500, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
+                   sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
+                   mid=(96, 8, 4),
+                   # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
+                   shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
+                   # d 64 at 12 and 24 sublayers (0.34M / 0.64M parameters); 20 tokens/param ~ 6.7M / 13M tokens
+                   study_shapes=((64, 6, 4), (64, 12, 4)), tokens_per_param=(1.0, 4.0, 20.0),
+                   corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3, 1e-2)),
+}
+
+
+def _model(d: int, n_layer: int, n_head: int) -> dict:
+    return {"d_model": d, "n_layer": n_layer, "n_head": n_head}
+
+
+def _block_size_for(n_layer: int, n_blocks: int = 8) -> int:
+    """S for N ~ 8 blocks, never 1 (S = 1 would be Full AttnRes itself)."""
+    return max(2, math.ceil(2 * n_layer / n_blocks))
+
+
+def ablation_variants(n_layer: int, d_model: int) -> dict[str, dict]:
+    """The rows of the report's table 4 (plus two of ours from the critique's open problems)."""
+    heads = 16 if d_model % 16 == 0 else 8
+    return {
+        "baseline": {"residual": "prenorm"},
+        "denseformer": {"residual": "denseformer"},
+        "mhc": {"residual": "mhc"},
+        "full": {"residual": "full"},
+        "block_s4": {"residual": "block", "block_size": 4},
+        "swa_w8": {"residual": "swa", "window": 8},
+        "input_query": {"residual": "full", "query": "input"},
+        "mixing": {"residual": "mixing"},
+        "sigmoid": {"residual": "full", "normalize": "sigmoid"},
+        "multihead": {"residual": "block", "block_size": 4, "depth_heads": heads},
+        "full_no_keynorm": {"residual": "full", "key_norm": False},
+        "block_no_keynorm": {"residual": "block", "block_size": 4, "key_norm": False},
+        "ours_lowrank_query": {"residual": "block", "block_size": 4, "query": "lowrank", "query_rank": 8},
+        "ours_intra_gate": {"residual": "block", "block_size": 4, "intra_gate": True},
+    }
+
+
+def study_variants(n_layer: int, n_head: int) -> dict[str, dict]:
+    """The budget study's variants: the baseline, Block (N ~ 8) and Full AttnRes, each with one
+    pseudo-query and with one per attention head (``heads = n_head``: d / H as in attention)."""
+    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    return {
+        "prenorm": {"residual": "prenorm"},
+        "block": block,
+        "full": {"residual": "full"},
+        f"block_h{n_head}": {**block, "depth_heads": n_head},
+        f"full_h{n_head}": {"residual": "full", "depth_heads": n_head},
+    }
+
+
+def baseline_params(d: int, n_layer: int, n_head: int, vocab_size: int = 256) -> int:
+    """All parameters of the PreNorm model of this shape: the N of tokens per parameter (every
+    variant of a shape trains on the same tokens; AttnRes adds d per sublayer)."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d)).num_params(
+            non_embedding=False
+        )
+
+
+def study_steps(d: int, n_layer: int, n_head: int, tokens_per_param: float, budget: Budget) -> int:
+    """Optimizer steps that train ``tokens_per_param`` tokens per (baseline) parameter."""
+    tokens = tokens_per_param * baseline_params(d, n_layer, n_head)
+    return max(1, round(tokens / (budget.batch_size * budget.seq_len)))
+
+
+def _study_schedule(steps: int, budget: Budget) -> dict:
+    """Per-run schedule of a study run: its own full cosine over ``steps``, warmup 5 % (>= 2 steps),
+    about ten evaluations and checkpoints."""
+    return {"steps": steps, "warmup": max(2, steps // 20), "eval_interval": max(1, steps // 10),
+            "log_interval": max(1, steps // 50)}
+
+
+def corpus_tag(data: str) -> str:
+    return "code" if data == "stdlib" else "prose" if data == "stdlib-docs" else data
+
+
+def _study_spec(budget: Budget, data: str, shape: tuple[int, int, int], tpp: float, variant: str, o: dict,
+                seed: int, lr: float | None = None) -> RunSpec:
+    d, n_layer, n_head = shape
+    steps = study_steps(d, n_layer, n_head, tpp, budget)
+    cfg = {**_model(d, n_layer, n_head), **_study_schedule(steps, budget), **o}
+    if data != "stdlib":
+        cfg["data"] = data
+    if lr is not None and lr != budget.lr:  # the shared lr keeps the budget study's key: one run, not two
+        cfg.update(lr=lr, min_lr=lr / 10)
+    group = f"{corpus_tag(data)}_L{2 * n_layer}"
+    lr_tag = f"_lr{lr:g}" if lr is not None else ""
+    return RunSpec(f"{group}_tpp{tpp:g}_{variant}{lr_tag}_s{seed}", variant, cfg, seed, group)
+
+
+def specs(experiment: str, budget: Budget) -> list[RunSpec]:
+    """The runs of ``experiment`` under ``budget``."""
+    out: list[RunSpec] = []
+    if experiment == "scaling":
+        for d, n_layer, n_head, steps in budget.sizes:
+            size = f"d{d}_l{n_layer}"
+            variants = {
+                "prenorm": {"residual": "prenorm"},
+                "full": {"residual": "full"},
+                "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
+                "mhc": {"residual": "mhc"},
+            }
+            for seed in range(budget.seeds):
+                for v, o in variants.items():
+                    cfg = {**_model(d, n_layer, n_head), "steps": steps, **o}
+                    out.append(RunSpec(f"{size}_{v}_s{seed}", v, cfg, seed, size))
+    elif experiment == "ablation":
+        d, n_layer, n_head = budget.mid
+        for seed in range(budget.seeds):
+            for v, o in ablation_variants(n_layer, d).items():
+                out.append(RunSpec(f"{v}_s{seed}", v, {**_model(d, n_layer, n_head), **o}, seed))
+    elif experiment == "blocksize":
+        d, n_layer, n_head = budget.mid
+        L = 2 * n_layer
+        sizes = sorted({s for s in (1, 2, 4, 8, 16, L) if s <= L})
+        for seed in range(budget.seeds):
+            out.append(RunSpec(f"baseline_s{seed}", "baseline", {**_model(d, n_layer, n_head), "residual": "prenorm"}, seed))
+            for s in sizes:
+                o = {**_model(d, n_layer, n_head), "residual": "block", "block_size": s}
+                out.append(RunSpec(f"S{s}_s{seed}", f"S={s}", o, seed))
+    elif experiment == "analysis":
+        d, n_layer, n_head = budget.mid
+        for v, o in {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"},
+                     "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
+            out.append(RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0))
+    elif experiment == "shape":
+        for d, n_layer, n_head in budget.shapes:
+            for v, o in {"prenorm": {"residual": "prenorm"},
+                         "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
+                out.append(RunSpec(f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"))
+    elif experiment == "budget":
+        # ordered so that finished runs answer the first question first: the shallow model on code,
+        # then on prose, budgets ascending, seeds in turn; then the deeper model
+        for shape in budget.study_shapes:
+            for data in budget.corpora:
+                for tpp in budget.tokens_per_param:
+                    for seed in range(budget.seeds):
+                        for v, o in study_variants(shape[1], shape[2]).items():
+                            out.append(_study_spec(budget, data, shape, tpp, v, o, seed))
+    elif experiment == "lr":
+        shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
+        for data in budget.corpora:
+            for seed in range(budget.seeds):
+                for lr in budget.lrs:
+                    for v, o in study_variants(shape[1], shape[2]).items():
+                        out.append(_study_spec(budget, data, shape, tpp, v, o, seed, lr))
+    else:
+        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    return out
+
+
+# options renamed since runs were first keyed: a key keeps the first spelling, so committed runs are found
+_KEY_SPELLING = {"depth_heads": "heads"}
+
+
+def run_key(spec: RunSpec, budget_name: str) -> str:
+    """Directory name of a run: its budget, config overrides and seed, spelled out."""
+    named = {_KEY_SPELLING.get(k, k): v for k, v in spec.overrides.items()}
+    parts = [budget_name] + [f"{k}={named[k]}" for k in sorted(named)] + [f"seed={spec.seed}"]
+    return ",".join(parts).replace("=", "-").replace(",", "_")
+
+
