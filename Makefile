@@ -21,7 +21,8 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format --check src tests scripts
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest
 
 demo: venv
@@ -46,8 +47,8 @@ gpu-wheels:
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $(PEER_WHEELS)
 
 lint: venv
-	$(PY) -m ruff check src tests
-	$(PY) -m ruff format --check src tests
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format src tests scripts
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

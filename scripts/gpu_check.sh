@@ -38,7 +38,7 @@ BENCH=("$PY" -m attention_residuals.cli bench)
 
 command -v nvidia-smi > /dev/null && nvidia-smi -L
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
-step 120 "kernel tests" "$PY" -m pytest -p no:cacheprovider -rfEs tests/test_kernels.py
+step 120 "kernel tests" "$PY" -m pytest -p no:cacheprovider -rfEs tests/unit/kernels/test_kernels.py
 step 110 "op bfloat16" "${BENCH[@]}" op --device "$DEVICE" --dtype bfloat16 --repeats 20 $q --json "$OUT/op_${DEVICE}_bfloat16.json" > /dev/null
 # warps per program, 4 against the kernels' 8 (chosen from the sm_90 register counts of
 # scripts/triton_aot.py, not yet timed): forward and backward alone, best of 20, printed to the log

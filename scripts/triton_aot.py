@@ -66,7 +66,12 @@ def cases(dtype: torch.dtype, quick: bool = False, eps: float = 1e-6):
     """(label, call) pairs reaching every kernel and every constexpr branch the wrappers use: the
     whole product of the flags, or with ``quick`` a subset in which each value of each flag occurs."""
     shapes = ((9, 256, 1024, 1), (17, 256, 768, 4), (3, 64, 8192, 1))  # one pass, heads, channel chunks
-    flags = [(kn, pt, dq, dv) for kn in (True, False) for pt in (False, True) for dq, dv in ((1, 1), (1, 0), (0, 1))]
+    flags = [
+        (kn, pt, dq, dv)
+        for kn in (True, False)
+        for pt in (False, True)
+        for dq, dv in ((1, 1), (1, 0), (0, 1))
+    ]
     if quick:
         flags = [(True, False, 1, 1), (False, True, 1, 0), (False, False, 0, 1)]
     for n, m, d, heads in shapes:
@@ -79,8 +84,8 @@ def cases(dtype: torch.dtype, quick: bool = False, eps: float = 1e-6):
                 yield f"forward {what}", lambda q=q, v=v, k=key_norm, h=heads: tk.forward(q, v, eps, h, k)
             yield (
                 f"backward {what} dq={bool(need_dq)} dv={bool(need_dv)}",
-                lambda q=q, v=v, lse=lse, g=g, k=key_norm, h=heads, a=bool(need_dq), b=bool(need_dv): tk.backward(
-                    q, v, lse, g, eps, h, k, a, b
+                lambda q=q, v=v, lse=lse, g=g, k=key_norm, h=heads, a=bool(need_dq), b=bool(need_dv): (
+                    tk.backward(q, v, lse, g, eps, h, k, a, b)
                 ),
             )
         qs = torch.randn(4, d)
@@ -102,7 +107,9 @@ def resources(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     return dict(zip(("regs", "stack", "shared", "local"), map(int, found.groups()))) if found else {}
 
@@ -116,7 +123,9 @@ def compile_all(arch: int, dtype_names: list[str], quick: bool = False) -> tuple
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        row = rows.setdefault(kernel.hash, {"kernel": self.__name__, "arch": f"sm_{arch}", "first_case": label})
+        row = rows.setdefault(
+            kernel.hash, {"kernel": self.__name__, "arch": f"sm_{arch}", "first_case": label}
+        )
         row.update(num_warps=kernel.metadata.num_warps, num_stages=kernel.metadata.num_stages)
         row.update(resources(kernel.asm["cubin"]))
         return kernel
@@ -143,7 +152,9 @@ def compile_all(arch: int, dtype_names: list[str], quick: bool = False) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = H100/H200)")
+    ap.add_argument(
+        "--arch", type=int, nargs="+", default=[90, 80], help="compute capabilities (90 = H100/H200)"
+    )
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=sorted(DTYPES))
     ap.add_argument("--quick", action="store_true", help="a covering subset of the cases (the test)")
     ap.add_argument("--num-warps", type=int, help="override the kernels' warps per program (default: theirs)")
@@ -170,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in failures:
         print("FAILED", line, file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows, "failures": failures}, indent=1))
+        args.json.write_text(
+            json.dumps({"triton": triton.__version__, "rows": rows, "failures": failures}, indent=1)
+        )
     return 1 if failures else 0
 
 

@@ -17,12 +17,28 @@ from .commands import Help, dispatch, listing
 COMMANDS: dict[str, tuple[str, Help]] = {
     "train": ("attention_residuals.train", "train a GPT with any residual rule; resumable run directory"),
     "eval": ("attention_residuals.training.evaluate", "validation loss of a run's checkpoint"),
-    "sample": ("attention_residuals.training.sample", "generate text from a run's checkpoint (KV-cache decoding)"),
-    "demo": ("attention_residuals.experiments.demo", "train baseline and Block AttnRes on the default corpus, write a report"),
-    "bench": ("attention_residuals.bench", listing("attention_residuals.bench", "SUBCOMMANDS", "benchmarks ({}); JSON out")),
-    "experiment": ("attention_residuals.experiments",
-                   listing("attention_residuals.experiments", "SUBCOMMANDS", "the report's experiments at small scale ({})")),
-    "export-hf": ("attention_residuals.integrations.hf", "convert a run directory to a Hugging Face model folder"),
+    "sample": (
+        "attention_residuals.training.sample",
+        "generate text from a run's checkpoint (KV-cache decoding)",
+    ),
+    "demo": (
+        "attention_residuals.experiments.demo",
+        "train baseline and Block AttnRes on the default corpus, write a report",
+    ),
+    "bench": (
+        "attention_residuals.bench",
+        listing("attention_residuals.bench", "SUBCOMMANDS", "benchmarks ({}); JSON out"),
+    ),
+    "experiment": (
+        "attention_residuals.experiments",
+        listing(
+            "attention_residuals.experiments", "SUBCOMMANDS", "the report's experiments at small scale ({})"
+        ),
+    ),
+    "export-hf": (
+        "attention_residuals.integrations.hf",
+        "convert a run directory to a Hugging Face model folder",
+    ),
     "tokenizer": ("attention_residuals.training.tokenizer", "train a BPE tokenizer on local text"),
 }
 

@@ -35,8 +35,14 @@ def usage_text(prog: str, commands: dict[str, tuple[str, Help]], epilog: str = "
     width = max(map(len, commands)) + 2
     return "\n".join(
         [f"usage: {prog} <command> [options]", "", "commands:"]
-        + [f"  {name:<{width}}{help_() if callable(help_) else help_}" for name, (_, help_) in commands.items()]
-        + ["", f"Run `{prog} <command> --help` for the options of one command.{' ' + epilog if epilog else ''}"]
+        + [
+            f"  {name:<{width}}{help_() if callable(help_) else help_}"
+            for name, (_, help_) in commands.items()
+        ]
+        + [
+            "",
+            f"Run `{prog} <command> --help` for the options of one command.{' ' + epilog if epilog else ''}",
+        ]
     )
 
 

@@ -49,8 +49,15 @@ from .functional import DepthState, depth_logits, rms_norm
 from .kernels import depth_attention, depth_attention_merged, depth_states_batched
 from .typed import check_choices, check_field_types, field_default, option
 
-__all__ = ["RESIDUALS", "RULES", "Connection", "ResidualConfig", "ResidualState", "make_connection",
-           "resolve_block_size"]
+__all__ = [
+    "RESIDUALS",
+    "RULES",
+    "Connection",
+    "ResidualConfig",
+    "ResidualState",
+    "make_connection",
+    "resolve_block_size",
+]
 
 SCHEDULES = ("plain", "two_phase")
 # names an option had before (config files keep loading; code spelled the old way gets a clear error)
@@ -69,16 +76,28 @@ class ResidualConfig:
     """
 
     rule: str = option("prenorm", "depth-mixing rule", flag="residual", choices=lambda: RESIDUALS)
-    block_size: int | None = option(None, "Block AttnRes block size S, in sublayers (full: the two-phase group size)")
+    block_size: int | None = option(
+        None, "Block AttnRes block size S, in sublayers (full: the two-phase group size)"
+    )
     n_blocks: int | None = option(None, "Block AttnRes number of blocks N (instead of --block-size)")
-    query: str = option("static", "depth-attention query: static (learned vector per layer), input "
-                        "(projection of the hidden state), lowrank", choices=("static", "input", "lowrank"))
+    query: str = option(
+        "static",
+        "depth-attention query: static (learned vector per layer), input "
+        "(projection of the hidden state), lowrank",
+        choices=("static", "input", "lowrank"),
+    )
     normalize: str = option("softmax", "depth-attention normalisation", choices=("softmax", "sigmoid"))
-    depth_heads: int = option(1, "depth-attention heads: d_model split into groups, one pseudo-query slice "
-                              "and softmax over depth each (not the model's attention heads, --n-head)")
+    depth_heads: int = option(
+        1,
+        "depth-attention heads: d_model split into groups, one pseudo-query slice "
+        "and softmax over depth each (not the model's attention heads, --n-head)",
+    )
     key_norm: bool = option(True, "RMSNorm the depth-attention keys")
-    key_norm_gain: bool = option(False, "a learnable gain (one d-vector per layer, init 1) in the key RMSNorm, "
-                                 "as production AttnRes has; folded into the query: w.(g*k) = (g*w).k")
+    key_norm_gain: bool = option(
+        False,
+        "a learnable gain (one d-vector per layer, init 1) in the key RMSNorm, "
+        "as production AttnRes has; folded into the query: w.(g*k) = (g*w).k",
+    )
     query_rank: int = option(8, "lowrank query: rank")
     window: int = option(8, "swa: number of most recent sources attended")
     streams: int = option(4, "mhc: number of residual streams m (1..6)")
@@ -103,8 +122,10 @@ class ResidualConfig:
                     f"with residual={self.rule!r} (leave it at its default {default!r})"
                 )
         if self.query_rank != 8 and self.query != "lowrank":
-            raise ValueError(f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} "
-                             f"with query={self.query!r}")
+            raise ValueError(
+                f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} "
+                f"with query={self.query!r}"
+            )
         if self.key_norm_gain and not self.key_norm:
             raise ValueError("key_norm_gain: a gain of the key RMSNorm needs key_norm=True")
         if self.block_size is not None and self.n_blocks is not None:
@@ -159,12 +180,16 @@ class Connection(nn.Module):
     #: the registry name (:data:`RULES`)
     rule: str = ""
 
-    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None) -> None:
+    def __init__(
+        self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None
+    ) -> None:
         super().__init__()
         self.n_layers, self.d_model, self.eps = n_layers, d_model, eps
         self.config = config if config is not None else ResidualConfig(type(self).rule)
 
-    def init_state(self, embedding: torch.Tensor, schedule: str = "plain", record: bool = False) -> ResidualState:
+    def init_state(
+        self, embedding: torch.Tensor, schedule: str = "plain", record: bool = False
+    ) -> ResidualState:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
         if schedule == "two_phase" and not self.supports_two_phase:
@@ -235,12 +260,19 @@ class DepthAttentionResidual(Connection):
     has_depth_weights = True
     options = ("query", "normalize", "depth_heads", "key_norm", "key_norm_gain", "query_rank")
 
-    def __init__(self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None) -> None:
+    def __init__(
+        self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None
+    ) -> None:
         super().__init__(n_layers, d_model, eps, config)
         c = self.config
         if d_model % c.depth_heads:
             raise ValueError(f"depth_heads: must divide d_model={d_model}, got {c.depth_heads}")
-        self.query_mode, self.normalize, self.heads, self.key_norm = c.query, c.normalize, c.depth_heads, c.key_norm
+        self.query_mode, self.normalize, self.heads, self.key_norm = (
+            c.query,
+            c.normalize,
+            c.depth_heads,
+            c.key_norm,
+        )
         # one pseudo-query per layer plus one for the final readout; zero-init is essential
         self.queries = nn.Parameter(torch.zeros(n_layers + 1, d_model))
         if c.key_norm_gain:  # RMSNorm(v) * g inside the logits is the query g * w: kernels unchanged
@@ -250,9 +282,13 @@ class DepthAttentionResidual(Connection):
         if c.query == "lowrank":
             if not 1 <= c.query_rank <= d_model:
                 raise ValueError(f"query_rank: expected 1..d_model={d_model}, got {c.query_rank}")
-            self.query_down = nn.Parameter(torch.randn(n_layers + 1, d_model, c.query_rank) / math.sqrt(d_model))
+            self.query_down = nn.Parameter(
+                torch.randn(n_layers + 1, d_model, c.query_rank) / math.sqrt(d_model)
+            )
             self.query_up = nn.Parameter(torch.zeros(n_layers + 1, c.query_rank, d_model))
-        self.supports_two_phase = type(self).prefix_sources and c.query == "static" and c.normalize == "softmax"
+        self.supports_two_phase = (
+            type(self).prefix_sources and c.query == "static" and c.normalize == "softmax"
+        )
 
     #: whether every layer's sources start with all sources known at its group's first layer
     prefix_sources = False
@@ -296,15 +332,23 @@ class DepthAttentionResidual(Connection):
 
     def _attend_sources(self, layer: int, *srcs: torch.Tensor) -> torch.Tensor:
         # the sources as a list: the compiled kernel reads them in place (no stacked copy)
-        return depth_attention(self.query(layer, list(srcs)), list(srcs), self.eps, heads=self.heads,
-                               key_norm=self.key_norm, normalize=self.normalize)
+        return depth_attention(
+            self.query(layer, list(srcs)),
+            list(srcs),
+            self.eps,
+            heads=self.heads,
+            key_norm=self.key_norm,
+            normalize=self.normalize,
+        )
 
     def read_normed(self, state, layer, norm):
         """``norm(h_l)``. In training (grad enabled, plain schedule) the pair runs under
         ``torch.utils.checkpoint``: backward keeps only the sources (which PreNorm keeps too, as its
         residual stream) and recomputes ``h_l`` and its norm, so Block/Full AttnRes save as many
         activations as the PreNorm baseline instead of one more ``[*batch, d]`` per sublayer."""
-        if not (self.recompute and torch.is_grad_enabled() and state.schedule == "plain" and state.record is None):
+        if not (
+            self.recompute and torch.is_grad_enabled() and state.schedule == "plain" and state.record is None
+        ):
             return norm(self._attend(state, layer))
         srcs, _ = self.sources(state, layer)
         return checkpoint(lambda *s: norm(self._attend_sources(layer, *s)), *srcs, use_reentrant=False)
@@ -319,16 +363,18 @@ class DepthAttentionResidual(Connection):
             layers = list(range(group * size, min((group + 1) * size, self.n_layers)))
             if layers[-1] == self.n_layers - 1:
                 layers.append(self.n_layers)  # the final readout joins the last group
-            batched = depth_states_batched(self.static_queries(layers), srcs, self.eps, heads=self.heads,
-                                           key_norm=self.key_norm)
+            batched = depth_states_batched(
+                self.static_queries(layers), srcs, self.eps, heads=self.heads, key_norm=self.key_norm
+            )
             state.phase1[group] = (batched, layers, len(srcs))
         batched, layers, covered = state.phase1[group]
         merged = batched[layers.index(layer)]
         rest = srcs[covered:]
         if not rest:
             return merged.output(srcs[0].dtype)
-        return depth_attention_merged(merged, self.static_queries(layer), rest, self.eps,
-                                      heads=self.heads, key_norm=self.key_norm)
+        return depth_attention_merged(
+            merged, self.static_queries(layer), rest, self.eps, heads=self.heads, key_norm=self.key_norm
+        )
 
     def init_state(self, embedding, schedule="plain", record=False):
         state = super().init_state(embedding, schedule, record)
@@ -541,7 +587,9 @@ class MHCLiteResidual(Connection):
         H = state.streams  # [*batch, m, d]
         m = self.m
         flat = H.flatten(-2)  # vec H, [*batch, m*d]
-        r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + self.eps)
+        r = torch.rsqrt(
+            torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1] + self.eps
+        )
         coef = (flat @ self.proj[layer]) * r + self.bias[layer]
         pre = torch.sigmoid(coef[..., :m])
         post = 2 * torch.sigmoid(coef[..., m : 2 * m])
@@ -576,15 +624,24 @@ def resolve_block_size(n_layers: int, block_size: int | None, n_blocks: int | No
             )
         return size
     if block_size is not None and not 1 <= block_size <= n_layers:
-        raise ValueError(f"block_size: must be in 1..L={n_layers} sublayers (L = 2 * n_layer), got {block_size}")
+        raise ValueError(
+            f"block_size: must be in 1..L={n_layers} sublayers (L = 2 * n_layer), got {block_size}"
+        )
     return block_size
 
 
 #: the registry of depth-mixing rules: name -> class (a class names itself in ``rule``)
 RULES: dict[str, type[Connection]] = {
     cls.rule: cls
-    for cls in (PreNormResidual, FullAttnRes, BlockAttnRes, DenseFormerResidual, MHCLiteResidual,
-                SlidingWindowAttnRes, MixingResidual)
+    for cls in (
+        PreNormResidual,
+        FullAttnRes,
+        BlockAttnRes,
+        DenseFormerResidual,
+        MHCLiteResidual,
+        SlidingWindowAttnRes,
+        MixingResidual,
+    )
 }
 RESIDUALS = tuple(RULES)
 

@@ -86,7 +86,9 @@ class GPTConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
-            raise ValueError(f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads")
+            raise ValueError(
+                f"n_head: d_model={self.d_model} must split into n_head={self.n_head} even-sized heads"
+            )
         resolve_block_size(self.n_sublayers, self.residual.block_size, self.residual.n_blocks)
         return self
 
@@ -252,9 +254,13 @@ class GPT(nn.Module):
         if not isinstance(idx, torch.Tensor):
             raise TypeError(f"idx: expected a torch.Tensor of token ids [B, T], got {type(idx).__name__}")
         if idx.ndim != 2 or idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx: expected integer token ids of shape [B, T], got {tuple(idx.shape)} {idx.dtype}")
+            raise ValueError(
+                f"idx: expected integer token ids of shape [B, T], got {tuple(idx.shape)} {idx.dtype}"
+            )
         if idx.shape[0] < 1 or idx.shape[1] < 1:
-            raise ValueError(f"idx: expected at least one sequence and one token (B, T >= 1), got shape {tuple(idx.shape)}")
+            raise ValueError(
+                f"idx: expected at least one sequence and one token (B, T >= 1), got shape {tuple(idx.shape)}"
+            )
         if targets is not None:
             if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
                 got = targets.dtype if isinstance(targets, torch.Tensor) else type(targets).__name__
@@ -267,7 +273,9 @@ class GPT(nn.Module):
         bounds = torch.stack([v.long() for r in ranges for v in r]).tolist()  # one host read
         top = self.config.vocab_size - 1
         if bounds[0] < 0 or bounds[1] > top:
-            raise ValueError(f"idx: token ids must be in 0..vocab_size-1={top}, got ids in {bounds[0]}..{bounds[1]}")
+            raise ValueError(
+                f"idx: token ids must be in 0..vocab_size-1={top}, got ids in {bounds[0]}..{bounds[1]}"
+            )
         if targets is not None and (bounds[2] < -1 or bounds[3] > top):
             raise ValueError(
                 f"targets: token ids must be in 0..vocab_size-1={top} (or -1 to ignore a position), "
@@ -276,14 +284,22 @@ class GPT(nn.Module):
         if targets is not None and bounds[3] == -1:
             raise ValueError("targets: every position is -1 (ignored): the loss would be 0/0")
 
-    def _run(self, idx: torch.Tensor, schedule: str = "plain", cache: KVCache | None = None,
-             record: bool = False, check: bool = True) -> tuple[torch.Tensor, dict | None]:
+    def _run(
+        self,
+        idx: torch.Tensor,
+        schedule: str = "plain",
+        cache: KVCache | None = None,
+        record: bool = False,
+        check: bool = True,
+    ) -> tuple[torch.Tensor, dict | None]:
         if check:
             self._check_ids(idx)
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.seq_len:
-            raise ValueError(f"idx: {start + T} tokens exceed the context length seq_len={self.config.seq_len}")
+            raise ValueError(
+                f"idx: {start + T} tokens exceed the context length seq_len={self.config.seq_len}"
+            )
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x = self.embed(idx)
         state = self.residual.init_state(x, schedule=schedule, record=record)
@@ -295,7 +311,9 @@ class GPT(nn.Module):
             cache.length += T
         return out, state.record
 
-    def forward_hidden(self, idx: torch.Tensor, cache: KVCache | None = None, schedule: str = "plain") -> torch.Tensor:
+    def forward_hidden(
+        self, idx: torch.Tensor, cache: KVCache | None = None, schedule: str = "plain"
+    ) -> torch.Tensor:
         """Final normalised hidden states ``[B, T, d]`` (what the LM head sees); with ``cache``
         the tokens continue the cached prefix and are appended to it."""
         return self._run(idx, schedule, cache)[0]
@@ -316,12 +334,20 @@ class GPT(nn.Module):
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.config
         p = self.lm_head.weight
-        return KVCache(c.n_layer, batch, c.n_head, max_len or c.seq_len, c.d_model // c.n_head, p.device, p.dtype)
+        return KVCache(
+            c.n_layer, batch, c.n_head, max_len or c.seq_len, c.d_model // c.n_head, p.device, p.dtype
+        )
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None,
-                 use_cache: bool = True) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` ``[B, T]``; ``temperature=0`` is greedy.
 
         With ``use_cache`` (default) the prompt is prefilled once and every new token costs one

@@ -74,7 +74,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[st
     """
     cells = [[_fmt(r.get(k), f).replace("|", "\\|") for k, _, f in columns] for r in rows]
     numeric = [
-        all(isinstance(r.get(k), int | float) or r.get(k) is None for r in rows) and any(r.get(k) is not None for r in rows)
+        all(isinstance(r.get(k), int | float) or r.get(k) is None for r in rows)
+        and any(r.get(k) is not None for r in rows)
         for k, _, _ in columns
     ]
     head = "| " + " | ".join(h for _, h, _ in columns) + " |"
@@ -129,7 +130,9 @@ def plot_loss_curves(
     xmax = 0.0
     for i, (label, rows) in enumerate(curves.items()):
         c = colors[i % len(colors)]
-        tr = [(r[x], r["train_loss"]) for r in rows if r.get("train_loss") is not None and r.get(x) is not None]
+        tr = [
+            (r[x], r["train_loss"]) for r in rows if r.get("train_loss") is not None and r.get(x) is not None
+        ]
         va = [(r[x], r["val_loss"]) for r in rows if r.get("val_loss") is not None and r.get(x) is not None]
         if tr:
             xmax = max(xmax, tr[-1][0])
@@ -137,11 +140,24 @@ def plot_loss_curves(
             xmax = max(xmax, va[-1][0])
         for ax in axes:
             if tr:
-                ax.plot([p[0] for p in tr], ema([p[1] for p in tr], smooth), color=c, alpha=0.35, lw=1.2,
-                        label=f"{label} train (EMA)")
+                ax.plot(
+                    [p[0] for p in tr],
+                    ema([p[1] for p in tr], smooth),
+                    color=c,
+                    alpha=0.35,
+                    lw=1.2,
+                    label=f"{label} train (EMA)",
+                )
             if va:
-                ax.plot([p[0] for p in va], [p[1] for p in va], color=c, lw=2, marker="o", ms=3.5,
-                        label=f"{label} val")
+                ax.plot(
+                    [p[0] for p in va],
+                    [p[1] for p in va],
+                    color=c,
+                    lw=2,
+                    marker="o",
+                    ms=3.5,
+                    label=f"{label} val",
+                )
         half = [v for s, v in va if s >= 0.5 * (va[-1][0] if va else 0)]
         if half:
             zoom_lo, zoom_hi = min(zoom_lo, min(half)), max(zoom_hi, max(half))

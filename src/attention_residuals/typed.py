@@ -15,12 +15,26 @@ from collections.abc import Callable
 from dataclasses import MISSING, field, fields
 from typing import Any
 
-__all__ = ["check_choices", "check_field_types", "choices_of", "field_default", "flat_name", "is_config_class",
-           "option", "optional_type"]
+__all__ = [
+    "check_choices",
+    "check_field_types",
+    "choices_of",
+    "field_default",
+    "flat_name",
+    "is_config_class",
+    "option",
+    "optional_type",
+]
 
 
-def option(default: Any, help: str, *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
-           flag: str | None = None, **meta: Any) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
+    flag: str | None = None,
+    **meta: Any,
+) -> Any:
     """A dataclass field with its help text (and choices, a flag name other than the field's) kept
     beside the default. ``choices`` may be a function returning them (a registry filled later). A
     list or dict default is copied per instance."""
@@ -73,15 +87,16 @@ def check_field_types(config: Any) -> None:
             continue
         ok = _TYPE_CHECKS.get(tp)
         if ok is not None and not ok(value):
-            raise ValueError(f"{flat_name(f)}: expected {_article(tp.__name__)} {tp.__name__}"
-                             f"{' or None' if optional else ''}, got {value!r}")
+            raise ValueError(
+                f"{flat_name(f)}: expected {_article(tp.__name__)} {tp.__name__}"
+                f"{' or None' if optional else ''}, got {value!r}"
+            )
 
 
 def flat_name(f: dataclasses.Field) -> str:
     """``metadata["flag"]`` (``"residual"`` or ``"--residual"``) as a name, else the field's name."""
     flag = f.metadata.get("flag")
     return flag.lstrip("-").replace("-", "_") if flag else f.name
-
 
 
 def choices_of(f: dataclasses.Field) -> tuple[str, ...] | None:

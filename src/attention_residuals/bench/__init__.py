@@ -41,7 +41,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "attention_residuals.bench.memory:bench_memory",
         "activation memory per rule; per-layer I/O in units of d",
     ),
-    "peers": ("attention_residuals.bench.peers:bench_peers", "PyPI peers' ops and training steps beside ours"),
+    "peers": (
+        "attention_residuals.bench.peers:bench_peers",
+        "PyPI peers' ops and training steps beside ours",
+    ),
     "dist": ("attention_residuals.bench.dist:main", "distributed (pipeline / sharded prefill) figures"),
     "report": ("attention_residuals.bench.report:main", "the JSONs of a folder as README.md with plots"),
 }
@@ -49,6 +52,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     return dispatch(
-        "attnres bench", SUBCOMMANDS, list(sys.argv[1:] if argv is None else argv),
+        "attnres bench",
+        SUBCOMMANDS,
+        list(sys.argv[1:] if argv is None else argv),
         "JSON goes to stdout, the table to stderr.",
     )

@@ -64,11 +64,17 @@ def peer_ops(q: torch.Tensor, v: torch.Tensor, eps: float):
             None,
         )
     except Exception as exc:
-        peers["flash-linear-attention (fused_attnres)"] = (None, f"does not import: {type(exc).__name__}: {exc}")
+        peers["flash-linear-attention (fused_attnres)"] = (
+            None,
+            f"does not import: {type(exc).__name__}: {exc}",
+        )
     try:
         from liger_kernel.transformers.functional import liger_attn_res
 
-        peers["Liger-Kernel (liger_attn_res)"] = (lambda q, v: liger_attn_res(v, q.to(v.dtype), ones, eps), None)
+        peers["Liger-Kernel (liger_attn_res)"] = (
+            lambda q, v: liger_attn_res(v, q.to(v.dtype), ones, eps),
+            None,
+        )
     except Exception as exc:
         peers["Liger-Kernel (liger_attn_res)"] = (None, f"does not import: {type(exc).__name__}: {exc}")
     return peers

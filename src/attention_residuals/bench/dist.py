@@ -48,7 +48,9 @@ PIPE_CASES = [(2, 1, 2), (2, 2, 2), (2, 4, 2), (4, 1, 2), (4, 2, 2), (4, 2, 4), 
 PIPE_QUICK = [(2, 2, 2), (2, 2, 3)]
 PIPE_BATCH, PIPE_MICRO = 4, 2
 
-PREFILL_MODEL = dict(vocab_size=256, n_layer=4, n_head=4, d_model=256, residual="block", block_size=1)  # N = 8
+PREFILL_MODEL = dict(
+    vocab_size=256, n_layer=4, n_head=4, d_model=256, residual="block", block_size=1
+)  # N = 8
 REPORT_EXAMPLE = dict(tokens=128 * 1024, blocks=8, d_model=7168, bytes_per_elem=2, tp=8, chunk=16 * 1024)
 
 
@@ -99,9 +101,22 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
         C = P * V
         n_blocks = -(-L // S)  # N, the last one possibly partial; b_0 comes on top
         report = report_transfers(P, V, n_blocks / C)
-        row = dict(P=P, V=V, C=C, L=L, S=S, N=n_blocks, N_p=n_blocks / C,
-                   aligned=layout.aligned_blocks_per_chunk() is not None, chunk_bounds=list(layout.bounds),
-                   d_model=d, tokens_per_step=tokens, microbatches=PIPE_MICRO, bytes_per_elem=4, schemes={})
+        row = dict(
+            P=P,
+            V=V,
+            C=C,
+            L=L,
+            S=S,
+            N=n_blocks,
+            N_p=n_blocks / C,
+            aligned=layout.aligned_blocks_per_chunk() is not None,
+            chunk_bounds=list(layout.bounds),
+            d_model=d,
+            tokens_per_step=tokens,
+            microbatches=PIPE_MICRO,
+            bytes_per_elem=4,
+            schemes={},
+        )
         for scheme in SCHEMES:
             per_rank = [results[r][scheme]["stats"] for r in range(P)]
             fwd = sum(s["bytes_forward"] for s in per_rank)
@@ -113,11 +128,16 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
             measured = fwd / (tokens * d * 4)
             derived = derived_transfers(layout.bounds, S, P, scheme)
             row["schemes"][scheme] = dict(
-                bytes_forward=fwd, bytes_backward=bwd, messages=sum(s["messages"] for s in per_rank),
-                tensors_per_token_measured=measured, tensors_per_token_derived=derived,
+                bytes_forward=fwd,
+                bytes_backward=bwd,
+                messages=sum(s["messages"] for s in per_rank),
+                tensors_per_token_measured=measured,
+                tensors_per_token_derived=derived,
                 matches_derived=measured == derived and fwd == bwd,
                 report_formula=report.get(scheme),  # the report has no formula for cached_all
-                loss=per_rank[0]["loss"], ref_loss=float(ref_loss), max_grad_abs_diff=grad_diff,
+                loss=per_rank[0]["loss"],
+                ref_loss=float(ref_loss),
+                max_grad_abs_diff=grad_diff,
                 step_s=max(results[r][scheme]["step_s"] for r in range(P)),
             )
         rows.append(row)
@@ -137,12 +157,20 @@ def _prefill_worker(rank: int, world: int, seq_len: int, chunk: int | None, shar
     model = _prefill_model(seq_len)
     idx = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
     t0 = time.perf_counter()
-    out = prefill(model, idx, group=dist.group.WORLD if world > 1 else None, chunk_size=chunk, last_only=True,
-                  shard=shard)
+    out = prefill(
+        model,
+        idx,
+        group=dist.group.WORLD if world > 1 else None,
+        chunk_size=chunk,
+        last_only=True,
+        shard=shard,
+    )
     return dict(stats=out.stats.to_dict(), logits=out.logits, wall_s=time.perf_counter() - t0)
 
 
-def report_prefill_example(tokens: int, blocks: int, d_model: int, bytes_per_elem: int, tp: int, chunk: int) -> dict:
+def report_prefill_example(
+    tokens: int, blocks: int, d_model: int, bytes_per_elem: int, tp: int, chunk: int
+) -> dict:
     """The report's N T d block-state memory, sharded over ``tp`` and with ``chunk``-token chunks."""
     full = blocks * tokens * d_model * bytes_per_elem
     return dict(full_bytes=full, sharded_bytes=full // tp, sharded_chunked_bytes=full // tp * chunk // tokens)
@@ -157,40 +185,62 @@ def bench_prefill(seq_len: int = 8192, tps=(1, 2, 4, 8), chunk_div: int = 8) -> 
     N = L // PREFILL_MODEL["block_size"]
     chunk = seq_len // chunk_div
     runs = []
-    plan = [(tp, ch, shard) for tp in tps for shard in (("hidden", "sequence") if tp > 1 else ("none",))
-            for ch in (None, chunk)]
+    plan = [
+        (tp, ch, shard)
+        for tp in tps
+        for shard in (("hidden", "sequence") if tp > 1 else ("none",))
+        for ch in (None, chunk)
+    ]
     for tp, ch, shard in plan:
         if tp > 1:
             res = spawn(_prefill_worker, tp, seq_len, ch, shard, timeout_s=600)
         else:
             res = [_prefill_worker(0, 1, seq_len, ch)]
         st = [r["stats"] for r in res]
-        runs.append(dict(
-            tp=tp, shard=shard, chunk_size=ch or seq_len,
-            peak_block_bytes_per_rank=max(s["peak_block_bytes"] for s in st),
-            peak_block_tensors=st[0]["peak_block_tensors"],
-            formula_block_bytes=st[0]["formula_block_bytes"],
-            report_formula_bytes=block_state_bytes(N, 1, ch or seq_len, d, 4, tp),  # N T d / P (no b_0)
-            kv_cache_bytes_per_rank=st[0]["kv_cache_bytes"],
-            transient_bytes_per_rank=st[0]["transient_bytes"],
-            allreduce_bytes_per_rank=st[0]["allreduce_bytes"], allgather_bytes_per_rank=st[0]["allgather_bytes"],
-            max_abs_logit_diff=max(float((r["logits"] - ref).abs().max()) for r in res),
-            wall_s=max(r["wall_s"] for r in res),
-        ))
+        runs.append(
+            dict(
+                tp=tp,
+                shard=shard,
+                chunk_size=ch or seq_len,
+                peak_block_bytes_per_rank=max(s["peak_block_bytes"] for s in st),
+                peak_block_tensors=st[0]["peak_block_tensors"],
+                formula_block_bytes=st[0]["formula_block_bytes"],
+                report_formula_bytes=block_state_bytes(N, 1, ch or seq_len, d, 4, tp),  # N T d / P (no b_0)
+                kv_cache_bytes_per_rank=st[0]["kv_cache_bytes"],
+                transient_bytes_per_rank=st[0]["transient_bytes"],
+                allreduce_bytes_per_rank=st[0]["allreduce_bytes"],
+                allgather_bytes_per_rank=st[0]["allgather_bytes"],
+                max_abs_logit_diff=max(float((r["logits"] - ref).abs().max()) for r in res),
+                wall_s=max(r["wall_s"] for r in res),
+            )
+        )
     rep = REPORT_EXAMPLE
-    example = report_prefill_example(rep["tokens"], rep["blocks"], rep["d_model"], rep["bytes_per_elem"],
-                                     rep["tp"], rep["chunk"])
+    example = report_prefill_example(
+        rep["tokens"], rep["blocks"], rep["d_model"], rep["bytes_per_elem"], rep["tp"], rep["chunk"]
+    )
     ours = report_prefill_example(seq_len, N, d, 4, rep["tp"], chunk)
     return dict(
         model={**PREFILL_MODEL, "seq_len": seq_len, "n_blocks": N, "dtype": "float32", "batch": 1},
         runs=runs,
-        report_example={**rep, **example,
-                        "note": "report: 15 GB -> ~1.9 GB over 8 TP devices -> < 0.3 GB with 16K chunks"},
-        report_formula_at_our_shapes={"tokens": seq_len, "blocks": N, "d_model": d, "bytes_per_elem": 4,
-                                      "tp": rep["tp"], "chunk": chunk, **ours},
-        notes=("peak_block_bytes counts b_0 (the embedding) and every block stored until the final readout: "
-               "(N + 1) T d / P; the report counts N T d / P. Layers are replicated on every TP rank here, so the "
-               "KV cache and the per-layer full-width activations (transient_bytes) are not divided by tp."),
+        report_example={
+            **rep,
+            **example,
+            "note": "report: 15 GB -> ~1.9 GB over 8 TP devices -> < 0.3 GB with 16K chunks",
+        },
+        report_formula_at_our_shapes={
+            "tokens": seq_len,
+            "blocks": N,
+            "d_model": d,
+            "bytes_per_elem": 4,
+            "tp": rep["tp"],
+            "chunk": chunk,
+            **ours,
+        },
+        notes=(
+            "peak_block_bytes counts b_0 (the embedding) and every block stored until the final readout: "
+            "(N + 1) T d / P; the report counts N T d / P. Layers are replicated on every TP rank here, so the "
+            "KV cache and the per-layer full-width activations (transient_bytes) are not divided by tp."
+        ),
     )
 
 
@@ -201,13 +251,21 @@ def default_out(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnres bench dist", description=__doc__.split("\n\n")[0].replace("``", ""))
-    p.add_argument("--out", default=None,
-                   help=f"JSON file to write; '-' for none (default: {DEFAULT_OUT} for a complete run; none "
-                        "with --quick or --skip-*, whose JSON goes to stdout only)")
+    p = argparse.ArgumentParser(
+        prog="attnres bench dist", description=__doc__.split("\n\n")[0].replace("``", "")
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"JSON file to write; '-' for none (default: {DEFAULT_OUT} for a complete run; none "
+        "with --quick or --skip-*, whose JSON goes to stdout only)",
+    )
     p.add_argument("--seq-len", type=int, default=8192, help="prefill tokens T (default: 8192)")
-    p.add_argument("--quick", action="store_true",
-                   help="two pipeline cases, T = 512, tp in (1, 2): a smoke run, not written to a file by default")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="two pipeline cases, T = 512, tp in (1, 2): a smoke run, not written to a file by default",
+    )
     p.add_argument("--skip-pipeline", action="store_true", help="leave out the pipeline section")
     p.add_argument("--skip-prefill", action="store_true", help="leave out the prefill section")
     return p
@@ -219,8 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     out_path = default_out(args) if args.out is None else args.out
     torch.set_num_threads(1)  # every rank is one process on one core
     t0 = time.perf_counter()
-    result: dict = dict(bench="dist", command=bench_command("dist", argv),
-                        torch=torch.__version__, python=platform.python_version(), backend="gloo", device="cpu")
+    result: dict = dict(
+        bench="dist",
+        command=bench_command("dist", argv),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        backend="gloo",
+        device="cpu",
+    )
     if args.quick:
         result["quick"] = True
     if not args.skip_pipeline:
@@ -237,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(text + "\n")
         print(f"wrote {out}", file=sys.stderr)
     elif args.out is None:
-        print(f"not written to a file (a {'smoke' if args.quick else 'partial'} run leaves {DEFAULT_OUT} as it "
-              "is); pass --out FILE to keep it", file=sys.stderr)
+        print(
+            f"not written to a file (a {'smoke' if args.quick else 'partial'} run leaves {DEFAULT_OUT} as it "
+            "is); pass --out FILE to keep it",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -68,7 +68,9 @@ def io_per_layer(L: int, N: int, m: int = 4) -> dict[str, dict]:
     return {"L": L, "N": N, "S": S, "m": m, "per_layer_d": out}
 
 
-def _measure(model: torch.nn.Module, idx: torch.Tensor, backend: str | None, device: torch.device) -> tuple[int, int | None]:
+def _measure(
+    model: torch.nn.Module, idx: torch.Tensor, backend: str | None, device: torch.device
+) -> tuple[int, int | None]:
     """Bytes saved for backward by one forward of ``model``; on CUDA also the peak allocated over a
     forward and backward (None elsewhere)."""
     params = list(model.parameters())
@@ -88,7 +90,9 @@ def _measure(model: torch.nn.Module, idx: torch.Tensor, backend: str | None, dev
     return saved, peak
 
 
-def _activation_memory(args: argparse.Namespace, idx: torch.Tensor, device: torch.device) -> tuple[list[dict], list[list[str]]]:
+def _activation_memory(
+    args: argparse.Namespace, idx: torch.Tensor, device: torch.device
+) -> tuple[list[dict], list[list[str]]]:
     """Per variant its activation memory, in MiB and over PreNorm's: (JSON results, table rows)."""
     results, rows = [], []
     for label, (residual, backend) in MEMORY_VARIANTS.items():
@@ -155,5 +159,8 @@ def bench_memory(argv: list[str]) -> int:
     }
     print_table(["variant", "saved for backward MiB", "CUDA peak MiB"], rows)
     return finish(
-        result, args, _io_rows(result), ["I/O per layer (d)", "reads", "writes", f"total L={L}", "total L=128,N=8"]
+        result,
+        args,
+        _io_rows(result),
+        ["I/O per layer (d)", "reads", "writes", f"total L={L}", "total L=128,N=8"],
     )

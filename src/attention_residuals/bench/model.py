@@ -78,8 +78,9 @@ def quick_model(args: argparse.Namespace) -> None:
         args.n_blocks, args.repeats = min(args.n_blocks, 2), min(args.repeats, 2)
 
 
-def train_step(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor,
-               ctx: Callable = contextlib.nullcontext) -> Callable[[], None]:
+def train_step(
+    model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor, ctx: Callable = contextlib.nullcontext
+) -> Callable[[], None]:
     """One AdamW training step of ``model(idx, tgt) -> (logits, loss)`` (ours and attn-res' alike)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

@@ -38,7 +38,15 @@ from .harness import (
 
 __all__ = ["OP_HEADER", "add_op_args", "run_op", "bench_op"]
 
-OP_HEADER = ["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio", "paired fwd / fwd+bwd", "max |err| / note"]
+OP_HEADER = [
+    "op",
+    "fwd ms",
+    "fwd ratio",
+    "fwd+bwd ms",
+    "fwd+bwd ratio",
+    "paired fwd / fwd+bwd",
+    "max |err| / note",
+]
 ROOFLINE = "roofline: sources.sum()"  # the name of the roofline's case
 
 
@@ -94,8 +102,14 @@ def _our_ops(args: argparse.Namespace, x: OpInputs) -> list[Op]:
     ops = []
     for backend in ("compiled", "triton", "fused", "reference"):
         fn = lambda q, v, _b=backend: depth_attention(q, v, x.eps, heads=x.heads, backend=_b)
-        ops.append(Op(f"attention_residuals[{backend}]", "ours", fn if status[backend] is None else None,
-                      status[backend]))
+        ops.append(
+            Op(
+                f"attention_residuals[{backend}]",
+                "ours",
+                fn if status[backend] is None else None,
+                status[backend],
+            )
+        )
     if args.no_compile or args.quick:
         ops.append(Op("torch.compile(plain formula)", "baseline", None, "skipped (--no-compile / --quick)"))
     else:
@@ -112,8 +126,14 @@ def _peer_ops(x: OpInputs) -> list[Op]:
     for name, (fn, reason) in peer_ops(x.q, x.v, x.eps).items():
         single = x.heads == 1
         ops.append(Op(name, "peer", fn if single else None, reason if single else "heads > 1 unsupported"))
-    ops.append(Op("hyper-connections (mHC)", "peer", None,
-                  "not a depth-attention op (mHC mixes m residual streams): see `attnres bench peers`"))
+    ops.append(
+        Op(
+            "hyper-connections (mHC)",
+            "peer",
+            None,
+            "not a depth-attention op (mHC mixes m residual streams): see `attnres bench peers`",
+        )
+    )
     return ops
 
 
@@ -217,13 +237,28 @@ def _entry(op: Op, times: dict[str, list[float]], error: float | None) -> tuple[
 
 
 def _assemble(
-    args: argparse.Namespace, x: OpInputs, ops: list[Op], times: dict[str, list[float]],
-    failed: dict[str, str], errors: dict[str, float], compile_s: dict[str, float],
+    args: argparse.Namespace,
+    x: OpInputs,
+    ops: list[Op],
+    times: dict[str, list[float]],
+    failed: dict[str, str],
+    errors: dict[str, float],
+    compile_s: dict[str, float],
 ) -> tuple[dict, list]:
     """The JSON (without command and machine) and the table rows, the roofline's first."""
     result = _header(args, x, times[ROOFLINE])
     roof = min(times[ROOFLINE])
-    rows = [["roofline (sources.sum(); x3 fwd+bwd)", fmt(roof * 1e3), "1.000", fmt(3 * roof * 1e3), "1.000", "", ""]]
+    rows = [
+        [
+            "roofline (sources.sum(); x3 fwd+bwd)",
+            fmt(roof * 1e3),
+            "1.000",
+            fmt(3 * roof * 1e3),
+            "1.000",
+            "",
+            "",
+        ]
+    ]
     for op in ops:
         if op.fn is None or f"{op.name}|fwd" in failed or f"{op.name}|fwdbwd" in failed:
             why = op.reason or failed.get(f"{op.name}|fwd") or failed.get(f"{op.name}|fwdbwd")

@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _step_cases(margs: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable], dict[str, str]]:
+def _step_cases(
+    margs: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, Callable], dict[str, str]]:
     """The mHC residuals and the training steps, ours and attn-res' (Block and PreNorm each), with
     the reason for each peer that cannot run."""
     cases, skipped = mhc_cases(margs, device)
@@ -80,7 +82,9 @@ def _steps(times: dict[str, list[float]]) -> tuple[list[dict], list[list[str]]]:
                     "block_over_prenorm_paired": round(paired, 4),
                 }
             )
-            rows.append(["train block/prenorm (best; paired)", pkg, f"{fmt(min(blk) / min(pre))}; {fmt(paired)}"])
+            rows.append(
+                ["train block/prenorm (best; paired)", pkg, f"{fmt(min(blk) / min(pre))}; {fmt(paired)}"]
+            )
     return steps, rows
 
 

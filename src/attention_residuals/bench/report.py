@@ -19,7 +19,6 @@ from ..plotting import markdown_table, new_figure
 __all__ = ["main", "write_report"]
 
 
-
 def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     """Rows of cells under ``header`` as markdown lines (through :func:`report.markdown_table`)."""
     table = markdown_table([dict(zip(header, row)) for row in rows], [(h, h, None) for h in header])
@@ -37,8 +36,15 @@ def _machine(m: dict) -> str:
     return f"{where}; torch {m.get('torch')}, Python {m.get('python')}{load}{alloc}"
 
 
-def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], targets: dict[str, float],
-          xlabel: str, title: str, xmin: float = 0.0) -> None:
+def _bars(
+    path: Path,
+    labels: list[str],
+    series: dict[str, list[float | None]],
+    targets: dict[str, float],
+    xlabel: str,
+    title: str,
+    xmin: float = 0.0,
+) -> None:
     fig = new_figure((7, 0.45 * len(labels) + 1.4))
     ax = fig.subplots()
     height = 0.8 / len(series)
@@ -47,7 +53,13 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], 
         bars = ax.barh(ys, [(v or xmin) - xmin for v in values], height=height, left=xmin, label=name)
         for bar, v in zip(bars, values):
             if v is not None:
-                ax.text(xmin + bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.3f}", va="center", fontsize=7)
+                ax.text(
+                    xmin + bar.get_width(),
+                    bar.get_y() + bar.get_height() / 2,
+                    f" {v:.3f}",
+                    va="center",
+                    fontsize=7,
+                )
     for (name, x), style in zip(targets.items(), ("--", ":")):
         ax.axvline(x, color="grey", linestyle=style, linewidth=1, label=f"{name} {x}")
     ax.set_yticks(range(len(labels)))
@@ -63,9 +75,19 @@ def _bars(path: Path, labels: list[str], series: dict[str, list[float | None]], 
 def _op_table(d: dict, with_error: bool = False) -> list[str]:
     """The op results: best times and ratios, and the paired ratios (median of within-round ratios)."""
     header = ["op", "fwd ms", "fwd ratio", "fwd+bwd ms", "fwd+bwd ratio", "paired fwd", "paired fwd+bwd"]
-    rows = [[r["name"], _f(r["fwd"]["best_ms"]), _f(r["fwd_ratio"], 3), _f(r["fwdbwd"]["best_ms"]),
-             _f(r["fwdbwd_ratio"], 3), _f(r.get("fwd_ratio_paired"), 3), _f(r.get("fwdbwd_ratio_paired"), 3)]
-            + ([f"{r['max_abs_err_vs_float64']:.1e}"] if with_error else []) for r in d["results"]]
+    rows = [
+        [
+            r["name"],
+            _f(r["fwd"]["best_ms"]),
+            _f(r["fwd_ratio"], 3),
+            _f(r["fwdbwd"]["best_ms"]),
+            _f(r["fwdbwd_ratio"], 3),
+            _f(r.get("fwd_ratio_paired"), 3),
+            _f(r.get("fwdbwd_ratio_paired"), 3),
+        ]
+        + ([f"{r['max_abs_err_vs_float64']:.1e}"] if with_error else [])
+        for r in d["results"]
+    ]
     return _table(header + (["max abs err vs float64"] if with_error else []), rows)
 
 
@@ -86,10 +108,17 @@ def _op_section(d: dict, stem: str, folder: Path) -> list[str]:
         lines += ["Not run here:", ""] + [f"- {s['name']}: {s['reason']}" for s in d["skipped"]] + [""]
     png = f"{stem}.png"
     names = [r["name"] for r in d["results"]]
-    _bars(folder / png, names, {"forward": [r["fwd_ratio"] for r in d["results"]],
-                                "forward+backward": [r["fwdbwd_ratio"] for r in d["results"]]},
-          {"fwd target": d["targets"]["fwd_ratio"], "fwd+bwd target": d["targets"]["fwdbwd_ratio"]},
-          "roofline time / time (higher is faster)", "depth attention vs the memory roofline")
+    _bars(
+        folder / png,
+        names,
+        {
+            "forward": [r["fwd_ratio"] for r in d["results"]],
+            "forward+backward": [r["fwdbwd_ratio"] for r in d["results"]],
+        },
+        {"fwd target": d["targets"]["fwd_ratio"], "fwd+bwd target": d["targets"]["fwdbwd_ratio"]},
+        "roofline time / time (higher is faster)",
+        "depth attention vs the memory roofline",
+    )
     return lines + [f"![{stem}]({png})", ""]
 
 
@@ -103,46 +132,90 @@ def _model_section(d: dict, stem: str, folder: Path) -> list[str]:
         f"< 4 %, inference < 2 %): training ≤ {d['targets']['train_ratio']}, prefill ≤ {d['targets']['prefill_ratio']}.",
         "",
     ]
-    rows = [[r["kind"], r["variant"], r.get("schedule") or "—", _f(r["best_ms"], 1), _f(r["ratio_vs_prenorm"], 3),
-             _f(r.get("ratio_vs_prenorm_paired"), 3)] for r in d["results"]]
+    rows = [
+        [
+            r["kind"],
+            r["variant"],
+            r.get("schedule") or "—",
+            _f(r["best_ms"], 1),
+            _f(r["ratio_vs_prenorm"], 3),
+            _f(r.get("ratio_vs_prenorm_paired"), 3),
+        ]
+        for r in d["results"]
+    ]
     lines += _table(["step", "variant", "schedule", "best ms", "ratio vs prenorm", "paired ratio"], rows)
     png = f"{stem}.png"
-    labels = [f"{r['kind']} {r['variant']}" + (f" ({r['schedule']})" if r.get("schedule") else "")
-              for r in d["results"]]
-    _bars(folder / png, labels, {"time / prenorm": [r["ratio_vs_prenorm"] for r in d["results"]]},
-          {"train target": d["targets"]["train_ratio"], "prefill target": d["targets"]["prefill_ratio"]},
-          "time / PreNorm (lower is faster)", "model step overhead over the PreNorm baseline", xmin=0.9)
+    labels = [
+        f"{r['kind']} {r['variant']}" + (f" ({r['schedule']})" if r.get("schedule") else "")
+        for r in d["results"]
+    ]
+    _bars(
+        folder / png,
+        labels,
+        {"time / prenorm": [r["ratio_vs_prenorm"] for r in d["results"]]},
+        {"train target": d["targets"]["train_ratio"], "prefill target": d["targets"]["prefill_ratio"]},
+        "time / PreNorm (lower is faster)",
+        "model step overhead over the PreNorm baseline",
+        xmin=0.9,
+    )
     return lines + [f"![{stem}]({png})", ""]
 
 
 def _memory_section(d: dict, stem: str, folder: Path) -> list[str]:
     c = d["config"]
-    lines = [f"Model d = {c['d_model']}, {c['sublayers']} sublayers, T = {c['T']}, B = {c['B']}: bytes autograd "
-             "saves for one training step (and the CUDA peak on a GPU).", ""]
-    lines += _table(["variant", "saved for backward MiB", "ratio vs prenorm", "CUDA peak MiB"],
-                    [[r["variant"], _f(r["saved_activation_MiB"], 1), _f(r["ratio_vs_prenorm"], 3),
-                      _f(r["cuda_peak_MiB"], 1)] for r in d["activation_memory"]])
+    lines = [
+        f"Model d = {c['d_model']}, {c['sublayers']} sublayers, T = {c['T']}, B = {c['B']}: bytes autograd "
+        "saves for one training step (and the CUDA peak on a GPU).",
+        "",
+    ]
+    lines += _table(
+        ["variant", "saved for backward MiB", "ratio vs prenorm", "CUDA peak MiB"],
+        [
+            [
+                r["variant"],
+                _f(r["saved_activation_MiB"], 1),
+                _f(r["ratio_vs_prenorm"], 3),
+                _f(r["cuda_peak_MiB"], 1),
+            ]
+            for r in d["activation_memory"]
+        ],
+    )
     for key, what in (("io_this_model", "this model"), ("io_report_typical", "the report's typical setting")):
         io = d[key]
-        lines += [f"Per-layer I/O in units of d, {what} (L = {io['L']}, N = {io['N']}, S = {io['S']}, m = {io['m']}):", ""]
-        lines += _table(["schedule", "reads", "writes", "total", "note"],
-                        [[name, _f(r["reads"]), _f(r["writes"]), _f(r["total"]), r.get("note")]
-                         for name, r in io["per_layer_d"].items()])
+        lines += [
+            f"Per-layer I/O in units of d, {what} (L = {io['L']}, N = {io['N']}, S = {io['S']}, m = {io['m']}):",
+            "",
+        ]
+        lines += _table(
+            ["schedule", "reads", "writes", "total", "note"],
+            [
+                [name, _f(r["reads"]), _f(r["writes"]), _f(r["total"]), r.get("note")]
+                for name, r in io["per_layer_d"].items()
+            ],
+        )
     return lines
 
 
 def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
     mc = d["model_config"]
-    lines = ["The depth-attention op as in `bench op` (the peers that import), then training steps "
-             f"(d = {mc['d_model']}, {mc['sublayers']} sublayers, T = {mc['T']}, B = {mc['B']}).", ""]
+    lines = [
+        "The depth-attention op as in `bench op` (the peers that import), then training steps "
+        f"(d = {mc['d_model']}, {mc['sublayers']} sublayers, T = {mc['T']}, B = {mc['B']}).",
+        "",
+    ]
     op = d["op"]
     lines += _op_table(op)
     rows = []
     for s in d["steps"]:
         if s["kind"] == "train_overhead":
             paired = _f(s.get("block_over_prenorm_paired"), 3)
-            rows.append(["training step Block / PreNorm", s["name"],
-                         _f(s["block_over_prenorm"], 3) + (f" (paired {paired})" if paired else "")])
+            rows.append(
+                [
+                    "training step Block / PreNorm",
+                    s["name"],
+                    _f(s["block_over_prenorm"], 3) + (f" (paired {paired})" if paired else ""),
+                ]
+            )
         else:
             rows.append([s["kind"], s["name"], _f(s["best_ms"], 1) + " ms"])
     lines += _table(["figure", "who", "value"], rows)
@@ -153,33 +226,82 @@ def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
 
 
 def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
-    missing = [k for k in ("pipeline", "prefill") if k not in d]  # a run with --skip-pipeline / --skip-prefill
-    head = f"torch.distributed ({d['backend']}, {d['device']})" + (", a --quick smoke run" if d.get("quick") else "")
+    missing = [
+        k for k in ("pipeline", "prefill") if k not in d
+    ]  # a run with --skip-pipeline / --skip-prefill
+    head = f"torch.distributed ({d['backend']}, {d['device']})" + (
+        ", a --quick smoke run" if d.get("quick") else ""
+    )
     lines = [head + (f"; not run: {', '.join(missing)}." if missing else "."), ""]
     if "pipeline" in d:
-        lines[0] += (" Pipeline: bytes sent per step by each scheme, measured on the send path, beside our derived "
-                     "count and the report's formula (tensors per token).")
+        lines[0] += (
+            " Pipeline: bytes sent per step by each scheme, measured on the send path, beside our derived "
+            "count and the report's formula (tensors per token)."
+        )
         rows = []
         for p in d["pipeline"]:
             for name, s in p["schemes"].items():
-                rows.append([p["P"], p["V"], p["L"], p["S"], name, s["bytes_forward"], s["tensors_per_token_measured"],
-                             s["tensors_per_token_derived"], s["report_formula"], f"{s['max_grad_abs_diff']:.1e}"])
-        lines += _table(["P", "V", "L", "S", "scheme", "bytes fwd", "tensors/token measured", "derived",
-                         "report formula", "max grad diff vs 1 process"], rows)
+                rows.append(
+                    [
+                        p["P"],
+                        p["V"],
+                        p["L"],
+                        p["S"],
+                        name,
+                        s["bytes_forward"],
+                        s["tensors_per_token_measured"],
+                        s["tensors_per_token_derived"],
+                        s["report_formula"],
+                        f"{s['max_grad_abs_diff']:.1e}",
+                    ]
+                )
+        lines += _table(
+            [
+                "P",
+                "V",
+                "L",
+                "S",
+                "scheme",
+                "bytes fwd",
+                "tensors/token measured",
+                "derived",
+                "report formula",
+                "max grad diff vs 1 process",
+            ],
+            rows,
+        )
     if "prefill" not in d:
         return lines
     pm = d["prefill"]["model"]
-    lines += [f"Prefill of T = {pm['seq_len']} tokens (d = {pm['d_model']}, {pm['n_blocks']} blocks): block-state "
-              "memory per rank by tensor-parallel degree, sharding and chunk size.", ""]
-    lines += _table(["ranks", "shard", "chunk", "block states MiB / rank", "formula MiB", "max logit diff"],
-                    [[r["tp"], r["shard"], r["chunk_size"], _f(r["peak_block_bytes_per_rank"] / 2**20, 2),
-                      _f(r["formula_block_bytes"] / 2**20, 2), f"{r['max_abs_logit_diff']:.1e}"]
-                     for r in d["prefill"]["runs"]])
+    lines += [
+        f"Prefill of T = {pm['seq_len']} tokens (d = {pm['d_model']}, {pm['n_blocks']} blocks): block-state "
+        "memory per rank by tensor-parallel degree, sharding and chunk size.",
+        "",
+    ]
+    lines += _table(
+        ["ranks", "shard", "chunk", "block states MiB / rank", "formula MiB", "max logit diff"],
+        [
+            [
+                r["tp"],
+                r["shard"],
+                r["chunk_size"],
+                _f(r["peak_block_bytes_per_rank"] / 2**20, 2),
+                _f(r["formula_block_bytes"] / 2**20, 2),
+                f"{r['max_abs_logit_diff']:.1e}",
+            ]
+            for r in d["prefill"]["runs"]
+        ],
+    )
     return lines
 
 
-SECTIONS = {"op": _op_section, "model": _model_section, "memory": _memory_section, "peers": _peers_section,
-            "dist": _dist_section}
+SECTIONS = {
+    "op": _op_section,
+    "model": _model_section,
+    "memory": _memory_section,
+    "peers": _peers_section,
+    "dist": _dist_section,
+}
 
 
 def write_report(folder: str | Path = "results/bench") -> Path:
@@ -197,12 +319,21 @@ def write_report(folder: str | Path = "results/bench") -> Path:
             found.append((list(SECTIONS).index(data["bench"]), path, data))
     if not found:
         raise FileNotFoundError(f"folder: no `attnres bench ... --json` output in {folder}")
-    lines = ["# Benchmarks", "",
-             "Generated by `attnres bench report` from the JSON files beside it; nothing here is typed by hand. "
-             "Each section names the command that produced it and the machine it ran on.", ""]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `attnres bench report` from the JSON files beside it; nothing here is typed by hand. "
+        "Each section names the command that produced it and the machine it ran on.",
+        "",
+    ]
     for _, path, data in sorted(found, key=lambda f: (f[0], f[1].name)):
-        lines += [f"## {path.stem}", "", f"Command: `{data.get('command', 'attnres bench ' + data['bench'])}`"
-                  + (f" — {_machine(data['machine'])}" if "machine" in data else ""), ""]
+        lines += [
+            f"## {path.stem}",
+            "",
+            f"Command: `{data.get('command', 'attnres bench ' + data['bench'])}`"
+            + (f" — {_machine(data['machine'])}" if "machine" in data else ""),
+            "",
+        ]
         lines += SECTIONS[data["bench"]](data, path.stem, folder)
     out = folder / "README.md"
     out.write_text("\n".join(lines).rstrip() + "\n")
@@ -211,7 +342,9 @@ def write_report(folder: str | Path = "results/bench") -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnres bench report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", default="results/bench", help="folder of the JSONs (default results/bench)")
+    parser.add_argument(
+        "folder", nargs="?", default="results/bench", help="folder of the JSONs (default results/bench)"
+    )
     args = parser.parse_args(argv)
     try:
         print(write_report(args.folder))

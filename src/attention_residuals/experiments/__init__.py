@@ -17,7 +17,6 @@ Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 
 (N non-embedding parameters, T the context), in PFLOP/s-days (8.64e19 FLOPs) as in the report.
 """
 
-
 from .analyses import compute_advantage, fit_power_law
 from .command import build_parser, main
 from .report import write_report
@@ -34,6 +33,22 @@ from .specs import (
     specs,
 )
 
-__all__ = ["BUDGETS", "DEFAULT_ROOTS", "EXPERIMENTS", "REPORT_ABLATION", "SUBCOMMANDS", "Budget", "BudgetClash",
-           "RunSpec", "build_parser", "check_budget", "compute_advantage", "fit_power_law", "main",
-           "run_experiment", "run_key", "specs", "write_report"]
+__all__ = [
+    "BUDGETS",
+    "DEFAULT_ROOTS",
+    "EXPERIMENTS",
+    "REPORT_ABLATION",
+    "SUBCOMMANDS",
+    "Budget",
+    "BudgetClash",
+    "RunSpec",
+    "build_parser",
+    "check_budget",
+    "compute_advantage",
+    "fit_power_law",
+    "main",
+    "run_experiment",
+    "run_key",
+    "specs",
+    "write_report",
+]

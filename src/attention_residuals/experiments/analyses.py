@@ -23,6 +23,7 @@ __all__ = ["ANALYSES", "compute_advantage", "fit_power_law"]
 
 # ---------------------------------------------------------------- fits
 
+
 def fit_power_law(compute: list[float], loss: list[float]) -> tuple[float, float]:
     """Least squares in log space of ``loss = A * compute^-alpha``; returns ``(A, alpha)``."""
     if len(compute) < 2:
@@ -35,7 +36,7 @@ def compute_advantage(base: tuple[float, float], other: tuple[float, float], com
     """How much more compute the baseline needs to reach ``other``'s loss at ``compute``."""
     a_b, alpha_b = base
     a_o, alpha_o = other
-    target = a_o * compute ** -alpha_o
+    target = a_o * compute**-alpha_o
     return (target / a_b) ** (-1.0 / alpha_b) / compute
 
 
@@ -58,9 +59,20 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
         c = s["flops_per_token"] * s["tokens"] / PFLOPS_DAY
         losses = [_final(r) for r in runs]
         mean, std = _mean_std(losses)
-        rows.append({"size": size, "variant": variant, "params": s["params"], "tokens": s["tokens"],
-                     "compute_pfs_days": c, "val_loss": mean, "val_loss_std": std, "val_losses": losses,
-                     "seeds": len(runs), "train_s": sum(r["train_s"] for r in runs)})
+        rows.append(
+            {
+                "size": size,
+                "variant": variant,
+                "params": s["params"],
+                "tokens": s["tokens"],
+                "compute_pfs_days": c,
+                "val_loss": mean,
+                "val_loss_std": std,
+                "val_losses": losses,
+                "seeds": len(runs),
+                "train_s": sum(r["train_s"] for r in runs),
+            }
+        )
         by_variant.setdefault(variant, []).append((c, mean))
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
     cmax = max(r["compute_pfs_days"] for r in rows)
@@ -74,12 +86,17 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
         line = ax.plot(cs, ls, "o", label=None)[0]
         for r in rows:  # the seeds behind a mean, as small dots
             if r["variant"] == v and r["seeds"] > 1:
-                ax.plot([r["compute_pfs_days"]] * r["seeds"], r["val_losses"], ".", color=line.get_color(), alpha=0.4)
+                ax.plot(
+                    [r["compute_pfs_days"]] * r["seeds"],
+                    r["val_losses"],
+                    ".",
+                    color=line.get_color(),
+                    alpha=0.4,
+                )
         if v in fits:
             a, alpha = fits[v]
             grid = np.geomspace(min(cs), max(cs), 50)
-            ax.plot(grid, a * grid ** -alpha, "-", color=line.get_color(),
-                    label=f"{v}: {a:.3f}·C^-{alpha:.3f}")
+            ax.plot(grid, a * grid**-alpha, "-", color=line.get_color(), label=f"{v}: {a:.3f}·C^-{alpha:.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     # a loss range of ~1.3x spans no decade: label the minor ticks with plain numbers instead
@@ -91,21 +108,35 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(exp_dir / "scaling.png", dpi=120)
-    lines = ["| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
-              f"{r['val_loss']:.4f} | {r['seeds']} | {', '.join(f'{x:.4f}' for x in r['val_losses'])} |" for r in rows]
-    lines += ["", "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
-              f"T = context; val loss: the mean over {budget.seeds} seed(s); fit: least squares of log mean loss "
-              "on log C.", "",
-              "| variant | A | α | compute advantage over baseline at largest C | report A, α |", "|---|---|---|---|---|"]
+    lines = [
+        "| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['size']} | {r['variant']} | {r['params']:,} | {r['tokens']:,} | {r['compute_pfs_days']:.3e} | "
+        f"{r['val_loss']:.4f} | {r['seeds']} | {', '.join(f'{x:.4f}' for x in r['val_losses'])} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
+        f"T = context; val loss: the mean over {budget.seeds} seed(s); fit: least squares of log mean loss "
+        "on log C.",
+        "",
+        "| variant | A | α | compute advantage over baseline at largest C | report A, α |",
+        "|---|---|---|---|---|",
+    ]
     for v, (a, alpha) in fits.items():
         rep = REPORT_SCALING.get(v)
         rep_s = f"{rep[0]}, {rep[1]}" if rep else "—"
         lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {advantage.get(v, float('nan')):.2f}× | {rep_s} |")
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
-    return {"rows": rows, "fits": {v: {"A": a, "alpha": al} for v, (a, al) in fits.items()},
-            "advantage_at_max_compute": advantage, "max_compute_pfs_days": cmax}
+    return {
+        "rows": rows,
+        "fits": {v: {"A": a, "alpha": al} for v, (a, al) in fits.items()},
+        "advantage_at_max_compute": advantage,
+        "max_compute_pfs_days": cmax,
+    }
 
 
 def _seeded_table(todo, summaries) -> dict[str, dict]:
@@ -124,8 +155,10 @@ def _verdict(delta: float, spread: float) -> str:
 def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     table = _seeded_table(todo, summaries)
     base = table["baseline"]
-    lines = ["| variant | val loss (mean ± std) | Δ vs baseline | verdict | report | report Δ |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | val loss (mean ± std) | Δ vs baseline | verdict | report | report Δ |",
+        "|---|---|---|---|---|---|",
+    ]
     for v, r in table.items():
         delta = r["mean"] - base["mean"]
         spread = max(r["std"], base["std"])
@@ -133,7 +166,9 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         rep_s = f"{rep:.3f}" if rep else "—"
         rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
         r.update(delta=delta, verdict="reference" if v == "baseline" else _verdict(delta, spread))
-        lines.append(f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} | {r['verdict']} | {rep_s} | {rep_d} |")
+        lines.append(
+            f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} | {r['verdict']} | {rep_s} | {rep_d} |"
+        )
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -143,8 +178,14 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
     points = sorted((int(v.split("=")[1]), r) for v, r in table.items() if v.startswith("S="))
     fig = new_figure((5.5, 4))
     ax = fig.subplots()
-    ax.errorbar([s for s, _ in points], [r["mean"] for _, r in points], yerr=[r["std"] for _, r in points],
-                fmt="o-", capsize=3, label="Block AttnRes")
+    ax.errorbar(
+        [s for s, _ in points],
+        [r["mean"] for _, r in points],
+        yerr=[r["std"] for _, r in points],
+        fmt="o-",
+        capsize=3,
+        label="Block AttnRes",
+    )
     base = table.get("baseline")
     if base:
         ax.axhline(base["mean"], color="gray", ls="--", label="PreNorm baseline")
@@ -172,7 +213,10 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         cfg = json.loads((run_dir / "config.json").read_text())
         model = GPT(GPTConfig.from_dict(cfg["model"]))
         load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
-        entry = {"magnitudes": dynamics.magnitudes(model, x), "grad_norms": dynamics.gradient_norms(model, x, y)}
+        entry = {
+            "magnitudes": dynamics.magnitudes(model, x),
+            "grad_norms": dynamics.gradient_norms(model, x, y),
+        }
         if model.residual.has_depth_weights:
             entry["depth_weights"] = dynamics.depth_weights(model, x)
         out[spec.name] = entry
@@ -182,7 +226,9 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         axes[0].plot(e["magnitudes"]["input_rms"], "o-", ms=3, label=name)
         axes[1].plot(e["magnitudes"]["output_rms"], "o-", ms=3, label=name)
         axes[2].plot(e["grad_norms"], "o-", ms=3, label=name)
-    for ax, title in zip(axes, ["RMS of layer input h_l", "RMS of layer output v_l", "gradient norm per sublayer"]):
+    for ax, title in zip(
+        axes, ["RMS of layer input h_l", "RMS of layer output v_l", "gradient norm per sublayer"]
+    ):
         ax.set_title(title)
         ax.set_xlabel("sublayer l (even: attention, odd: MLP)")
         ax.set_yscale("log")
@@ -196,7 +242,9 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
         for row, (name, w) in zip(axes, heat):
             for ax, key in zip(row, ["pre_attn", "pre_mlp"]):
                 m = np.asarray(w[key], dtype=float)
-                im = ax.imshow(np.ma.masked_invalid(m), cmap="viridis", vmin=0, vmax=np.nanmax(m), aspect="auto")
+                im = ax.imshow(
+                    np.ma.masked_invalid(m), cmap="viridis", vmin=0, vmax=np.nanmax(m), aspect="auto"
+                )
                 ax.set_title(f"{name}: {key.replace('_', '-')} layers")
                 ax.set_xlabel("source (0 = embedding)")
                 ax.set_ylabel("layer")
@@ -206,7 +254,9 @@ def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
     lines = ["| run | val loss | max/min RMS of h_l | max/min grad norm |", "|---|---|---|---|"]
     for name, e in out.items():
         hin, g = e["magnitudes"]["input_rms"], e["grad_norms"]
-        lines.append(f"| {name} | {_final(summaries[name]):.4f} | {max(hin) / min(hin):.2f} | {max(g) / min(g):.2f} |")
+        lines.append(
+            f"| {name} | {_final(summaries[name]):.4f} | {max(hin) / min(hin):.2f} | {max(g) / min(g):.2f} |"
+        )
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"runs": out}
 
@@ -217,8 +267,17 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
     rows = []
     for spec in todo:
         s, o = summaries[spec.name], spec.overrides
-        rows.append({"shape": spec.group, "variant": spec.variant, "d_model": o["d_model"], "n_layer": o["n_layer"],
-                     "d_over_L": o["d_model"] / o["n_layer"], "params": s["params"], "val_loss": _final(s)})
+        rows.append(
+            {
+                "shape": spec.group,
+                "variant": spec.variant,
+                "d_model": o["d_model"],
+                "n_layer": o["n_layer"],
+                "d_over_L": o["d_model"] / o["n_layer"],
+                "params": s["params"],
+                "val_loss": _final(s),
+            }
+        )
     fig = new_figure((5.5, 4))
     ax = fig.subplots()
     best = {}
@@ -235,16 +294,25 @@ def _shape(todo, summaries, exp_dir, budget, meta) -> dict:
     fig.tight_layout()
     fig.savefig(exp_dir / "shape.png", dpi=120)
     by = {(r["shape"], r["variant"]): r for r in rows}
-    lines = ["| d_model | L_b | d_model / L_b | params | prenorm | block | Δ (block − prenorm) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| d_model | L_b | d_model / L_b | params | prenorm | block | Δ (block − prenorm) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         p, b = by.get((shape, "prenorm")), by.get((shape, "block"))
         ref = p or b
         cells = [f"{x['val_loss']:.4f}" if x else "—" for x in (p, b)]
         delta = f"{b['val_loss'] - p['val_loss']:+.4f}" if p and b else "—"
-        lines.append(f"| {ref['d_model']} | {ref['n_layer']} | {ref['d_over_L']:.1f} | {ref['params']:,} | "
-                     f"{cells[0]} | {cells[1]} | {delta} |")
-    lines += ["", "Best d_model / L_b: " + ", ".join(f"{v} {x:.1f} ({y:.4f})" for v, (x, y) in best.items())
-              + " (the report: baseline 60, AttnRes 45, at 2.3e8 active parameters)."]
+        lines.append(
+            f"| {ref['d_model']} | {ref['n_layer']} | {ref['d_over_L']:.1f} | {ref['params']:,} | "
+            f"{cells[0]} | {cells[1]} | {delta} |"
+        )
+    lines += [
+        "",
+        "Best d_model / L_b: "
+        + ", ".join(f"{v} {x:.1f} ({y:.4f})" for v, (x, y) in best.items())
+        + " (the report: baseline 60, AttnRes 45, at 2.3e8 active parameters).",
+    ]
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"rows": rows, "best_d_over_L": {v: x for v, (x, _) in best.items()}}
 
@@ -260,8 +328,11 @@ def _paired_deltas(todo, summaries, key) -> dict:
 def _delta_cell(losses: dict[int, float], base: dict[int, float]) -> dict:
     """Δ = variant − baseline, paired by seed: mean, the per-seed values, and their spread."""
     deltas = [losses[s] - base[s] for s in sorted(losses) if s in base]
-    return {"mean": float(np.mean(deltas)) if deltas else float("nan"), "per_seed": deltas,
-            "spread": float(max(deltas) - min(deltas)) if len(deltas) > 1 else 0.0}
+    return {
+        "mean": float(np.mean(deltas)) if deltas else float("nan"),
+        "per_seed": deltas,
+        "spread": float(max(deltas) - min(deltas)) if len(deltas) > 1 else 0.0,
+    }
 
 
 def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
@@ -272,9 +343,14 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     for (group, tpp), by_var in sorted(cells.items()):
         base = by_var.get("prenorm", {})
         some = next(s for s in todo if s.group == group and tpp_of[s.name] == tpp)
-        row = {"group": group, "tokens_per_param": tpp, "tokens": summaries[some.name]["tokens"],
-               "steps": some.overrides["steps"], "prenorm": _mean_std(list(base.values())) if base else None,
-               "deltas": {v: _delta_cell(ls, base) for v, ls in by_var.items() if v != "prenorm" and base}}
+        row = {
+            "group": group,
+            "tokens_per_param": tpp,
+            "tokens": summaries[some.name]["tokens"],
+            "steps": some.overrides["steps"],
+            "prenorm": _mean_std(list(base.values())) if base else None,
+            "deltas": {v: _delta_cell(ls, base) for v, ls in by_var.items() if v != "prenorm" and base},
+        }
         rows.append(row)
     groups = list(dict.fromkeys(r["group"] for r in rows))
     fig = new_figure((5.2 * len(groups), 4))
@@ -282,7 +358,11 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     for ax, group in zip(axes, groups):
         variants = list(dict.fromkeys(v for r in rows if r["group"] == group for v in r["deltas"]))
         for v in variants:
-            pts = [(r["tokens_per_param"], r["deltas"][v]) for r in rows if r["group"] == group and v in r["deltas"]]
+            pts = [
+                (r["tokens_per_param"], r["deltas"][v])
+                for r in rows
+                if r["group"] == group and v in r["deltas"]
+            ]
             line = ax.plot([t for t, _ in pts], [c["mean"] for _, c in pts], "o-", label=v)[0]
             for t, c in pts:
                 ax.plot([t] * len(c["per_seed"]), c["per_seed"], ".", color=line.get_color(), alpha=0.5)
@@ -295,17 +375,33 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     fig.tight_layout()
     fig.savefig(exp_dir / "budget.png", dpi=120)
     variants = list(dict.fromkeys(v for r in rows for v in r["deltas"]))
-    lines = ["| corpus, sublayers | tokens/param | tokens | steps | PreNorm val loss | "
-             + " | ".join(f"Δ {v}" for v in variants) + " |", "|---" * (5 + len(variants)) + "|"]
+    lines = [
+        "| corpus, sublayers | tokens/param | tokens | steps | PreNorm val loss | "
+        + " | ".join(f"Δ {v}" for v in variants)
+        + " |",
+        "|---" * (5 + len(variants)) + "|",
+    ]
     for r in rows:
         pre = f"{r['prenorm'][0]:.4f} ± {r['prenorm'][1]:.4f}" if r["prenorm"] else "—"
-        cell = [(f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})" if (c := r["deltas"].get(v))
-                 else "—") for v in variants]
-        lines.append(f"| {r['group']} | {r['tokens_per_param']:g} | {r['tokens']:,} | {r['steps']} | {pre} | "
-                     + " | ".join(cell) + " |")
-    lines += ["", "Δ = variant − PreNorm final validation loss, paired by seed: the mean, then each seed's Δ in "
-              "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
-              f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model."]
+        cell = [
+            (
+                f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})"
+                if (c := r["deltas"].get(v))
+                else "—"
+            )
+            for v in variants
+        ]
+        lines.append(
+            f"| {r['group']} | {r['tokens_per_param']:g} | {r['tokens']:,} | {r['steps']} | {pre} | "
+            + " | ".join(cell)
+            + " |"
+        )
+    lines += [
+        "",
+        "Δ = variant − PreNorm final validation loss, paired by seed: the mean, then each seed's Δ in "
+        "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
+        f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model.",
+    ]
     if "runs_planned" in meta:
         lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -323,31 +419,56 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
     out, lines = {}, []
     for group, by_var in table.items():
         lrs = sorted({lr for v in by_var.values() for lr in v})
-        best = {v: min(per_lr, key=lambda lr: np.mean(list(per_lr[lr].values()))) for v, per_lr in by_var.items()}
+        best = {
+            v: min(per_lr, key=lambda lr: np.mean(list(per_lr[lr].values()))) for v, per_lr in by_var.items()
+        }
         base = by_var.get("prenorm", {})
-        lines += [f"**{group}**", "", "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs)
-                  + " | best lr | Δ at shared lr | Δ at own best lr |", "|---" * (4 + len(lrs)) + "|"]
+        lines += [
+            f"**{group}**",
+            "",
+            "| variant | "
+            + " | ".join(f"lr {lr:g}" for lr in lrs)
+            + " | best lr | Δ at shared lr | Δ at own best lr |",
+            "|---" * (4 + len(lrs)) + "|",
+        ]
         out[group] = {}
         for v, per_lr in by_var.items():
-            cells = [f"{np.mean(list(per_lr[lr].values())):.4f} ± {_mean_std(list(per_lr[lr].values()))[1]:.4f}"
-                     if lr in per_lr else "—" for lr in lrs]
+            cells = [
+                f"{np.mean(list(per_lr[lr].values())):.4f} ± {_mean_std(list(per_lr[lr].values()))[1]:.4f}"
+                if lr in per_lr
+                else "—"
+                for lr in lrs
+            ]
             shared = _delta_cell(per_lr.get(budget.lr, {}), base.get(budget.lr, {})) if base else None
             own = _delta_cell(per_lr[best[v]], base[best["prenorm"]]) if base else None
-            fmt = [("—" if v == "prenorm" or c is None or not c["per_seed"] else f"{c['mean']:+.4f}")
-                   for c in (shared, own)]
+            fmt = [
+                ("—" if v == "prenorm" or c is None or not c["per_seed"] else f"{c['mean']:+.4f}")
+                for c in (shared, own)
+            ]
             lines.append(f"| {v} | " + " | ".join(cells) + f" | {best[v]:g} | {fmt[0]} | {fmt[1]} |")
-            out[group][v] = {"per_lr": {str(lr): per_lr[lr] for lr in per_lr}, "best_lr": best[v],
-                             "delta_shared_lr": shared, "delta_best_lr": own}
+            out[group][v] = {
+                "per_lr": {str(lr): per_lr[lr] for lr in per_lr},
+                "best_lr": best[v],
+                "delta_shared_lr": shared,
+                "delta_best_lr": own,
+            }
         lines.append("")
-    lines += [f"Val loss mean ± std over seeds; the shared lr is {budget.lr:g}. Δ = variant − PreNorm paired by "
-              "seed, at the shared lr and with each variant (PreNorm included) at its own best lr."]
+    lines += [
+        f"Val loss mean ± std over seeds; the shared lr is {budget.lr:g}. Δ = variant − PreNorm paired by "
+        "seed, at the shared lr and with each variant (PreNorm included) at its own best lr."
+    ]
     if "runs_planned" in meta:
         lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": out}
 
 
-
-
-ANALYSES = {"scaling": _scaling, "ablation": _ablation, "blocksize": _blocksize, "analysis": _analysis,
-            "shape": _shape, "budget": _budget, "lr": _lr}
+ANALYSES = {
+    "scaling": _scaling,
+    "ablation": _ablation,
+    "blocksize": _blocksize,
+    "analysis": _analysis,
+    "shape": _shape,
+    "budget": _budget,
+    "lr": _lr,
+}

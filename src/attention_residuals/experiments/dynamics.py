@@ -48,7 +48,11 @@ def gradient_norms(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> list
     loss.backward()
     norms = []
     for norm, layer in zip(model.norms, model.layers):
-        grads = [p.grad.float().pow(2).sum() for p in [*norm.parameters(), *layer.parameters()] if p.grad is not None]
+        grads = [
+            p.grad.float().pow(2).sum()
+            for p in [*norm.parameters(), *layer.parameters()]
+            if p.grad is not None
+        ]
         norms.append(torch.stack(grads).sum().sqrt().item())
     model.zero_grad(set_to_none=True)
     return norms

@@ -25,12 +25,26 @@ __all__ = ["BudgetClash", "check_budget", "run_experiment"]
 
 def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
     base = {
-        "steps": budget.steps, "batch_size": budget.batch_size, "seq_len": budget.seq_len,
-        "eval_interval": budget.eval_interval, "eval_batches": budget.eval_batches, "lr": budget.lr,
-        "min_lr": budget.lr / 10, "warmup": budget.warmup, "log_interval": max(1, budget.eval_interval // 5),
+        "steps": budget.steps,
+        "batch_size": budget.batch_size,
+        "seq_len": budget.seq_len,
+        "eval_interval": budget.eval_interval,
+        "eval_batches": budget.eval_batches,
+        "lr": budget.lr,
+        "min_lr": budget.lr / 10,
+        "warmup": budget.warmup,
+        "log_interval": max(1, budget.eval_interval // 5),
     }
-    return make_config(**{**base, **spec.overrides, "seed": spec.seed, "out": str(run_dir), "resume": True,
-                          "progress": False})
+    return make_config(
+        **{
+            **base,
+            **spec.overrides,
+            "seed": spec.seed,
+            "out": str(run_dir),
+            "resume": True,
+            "progress": False,
+        }
+    )
 
 
 class BudgetClash(ValueError):
@@ -47,9 +61,11 @@ def check_budget(exp_dir: str | Path, budget_name: str) -> None:
         return  # nothing there (or nothing readable): nothing to protect
     order = list(BUDGETS)
     if old in order and order.index(old) > order.index(budget_name):
-        raise BudgetClash(f"{path} holds results of the {old!r} budget; a {budget_name!r} run would replace "
-                          f"them. Use another --root (the default for {budget_name!r} is "
-                          f"{DEFAULT_ROOTS.get(budget_name, 'runs/experiments')}), --budget {old}, or --force")
+        raise BudgetClash(
+            f"{path} holds results of the {old!r} budget; a {budget_name!r} run would replace "
+            f"them. Use another --root (the default for {budget_name!r} is "
+            f"{DEFAULT_ROOTS.get(budget_name, 'runs/experiments')}), --budget {old}, or --force"
+        )
 
 
 class _Corpora:
@@ -76,8 +92,9 @@ def _finished(root: str | Path, spec: RunSpec, budget_name: str) -> dict | None:
     return done if done and done.get("done") else None
 
 
-def _train_all(runs: list[RunSpec], budget: Budget, budget_name: str, root: str | Path, corpora: _Corpora,
-               desc: str) -> dict[str, dict]:
+def _train_all(
+    runs: list[RunSpec], budget: Budget, budget_name: str, root: str | Path, corpora: _Corpora, desc: str
+) -> dict[str, dict]:
     """Train (or resume) every run not finished yet, with a progress bar; their summaries by name."""
     summaries: dict[str, dict] = {}
     bar = tqdm(runs, desc=desc, unit="run", file=sys.stderr)
@@ -90,24 +107,43 @@ def _train_all(runs: list[RunSpec], budget: Budget, budget_name: str, root: str 
     return summaries
 
 
-def _meta(experiment: str, budget_name: str, budget: Budget, root: str | Path, todo: list[RunSpec],
-          summaries: dict[str, dict], corpora: _Corpora, t0: float) -> dict[str, Any]:
+def _meta(
+    experiment: str,
+    budget_name: str,
+    budget: Budget,
+    root: str | Path,
+    todo: list[RunSpec],
+    summaries: dict[str, dict],
+    corpora: _Corpora,
+    t0: float,
+) -> dict[str, Any]:
     """Provenance of an experiment's tables: command, budget, corpus hashes, time, machine."""
     return {
-        "experiment": experiment, "budget": budget_name, "budget_config": budget.__dict__,
+        "experiment": experiment,
+        "budget": budget_name,
+        "budget_config": budget.__dict__,
         "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
         "corpus_sha256": corpora().info()["sha256"],
-        "corpora_sha256": {corpus_tag(d): corpora(d).info()["sha256"]
-                           for d in sorted({s.overrides.get("data", "stdlib") for s in todo})},
+        "corpora_sha256": {
+            corpus_tag(d): corpora(d).info()["sha256"]
+            for d in sorted({s.overrides.get("data", "stdlib") for s in todo})
+        },
         "wall_s_this_invocation": round(time.time() - t0, 1),
         "train_s_total": round(sum(s.get("train_s", 0.0) for s in summaries.values()), 1),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "python": platform.python_version(),
     }
 
 
-def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path | None = None,
-                   only: list[str] | None = None, shard: tuple[int, int] | None = None,
-                   force: bool = False, partial: bool = False) -> dict | None:
+def run_experiment(
+    experiment: str,
+    budget_name: str = "quick",
+    root: str | Path | None = None,
+    only: list[str] | None = None,
+    shard: tuple[int, int] | None = None,
+    force: bool = False,
+    partial: bool = False,
+) -> dict | None:
     """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot.
 
     ``root`` defaults to ``DEFAULT_ROOTS[budget_name]`` (quick: ``runs/experiments``, full:
@@ -142,8 +178,11 @@ def run_experiment(experiment: str, budget_name: str = "quick", root: str | Path
             return None
         missing = [s for s in every if s.name not in summaries and not _finished(root, s, budget_name)]
         if missing:  # the tables cover the whole experiment: only once every one of its runs is finished
-            print(f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
-                  f"finished ({missing[0].name} is not)", file=sys.stderr)
+            print(
+                f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
+                f"finished ({missing[0].name} is not)",
+                file=sys.stderr,
+            )
             return None
         summaries.update({s.name: _finished(root, s, budget_name) for s in every if s.name not in summaries})
         todo = every

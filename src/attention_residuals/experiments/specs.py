@@ -15,8 +15,20 @@ import torch
 
 from ..model import GPT, GPTConfig
 
-__all__ = ["BUDGETS", "DEFAULT_ROOTS", "EXPERIMENTS", "REPORT_ROOT", "SUBCOMMANDS", "Budget", "RunSpec",
-           "ablation_variants", "baseline_params", "run_key", "specs", "study_variants"]
+__all__ = [
+    "BUDGETS",
+    "DEFAULT_ROOTS",
+    "EXPERIMENTS",
+    "REPORT_ROOT",
+    "SUBCOMMANDS",
+    "Budget",
+    "RunSpec",
+    "ablation_variants",
+    "baseline_params",
+    "run_key",
+    "specs",
+    "study_variants",
+]
 
 PFLOPS_DAY = 8.64e19
 
@@ -39,9 +51,18 @@ REPORT_ROOT = "results"  # `attnres experiment report` without --root (and witho
 
 # Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
 REPORT_ABLATION = {
-    "baseline": 1.766, "denseformer": 1.767, "mhc": 1.747, "full": 1.737, "block_s4": 1.746,
-    "swa_w8": 1.764, "input_query": 1.731, "mixing": 1.749, "sigmoid": 1.741, "multihead": 1.752,
-    "full_no_keynorm": 1.743, "block_no_keynorm": 1.750,
+    "baseline": 1.766,
+    "denseformer": 1.767,
+    "mhc": 1.747,
+    "full": 1.737,
+    "block_s4": 1.746,
+    "swa_w8": 1.764,
+    "input_query": 1.731,
+    "mixing": 1.749,
+    "sigmoid": 1.741,
+    "multihead": 1.752,
+    "full_no_keynorm": 1.743,
+    "block_no_keynorm": 1.750,
 }
 REPORT_SCALING = {"prenorm": (1.891, 0.057), "block": (1.870, 0.058), "full": (1.865, 0.057)}
 
@@ -69,7 +90,9 @@ class Budget:
     seeds: int
     sizes: tuple[tuple[int, int, int, int], ...]  # (d_model, n_layer, n_head, steps)
     mid: tuple[int, int, int]  # (d_model, n_layer, n_head) of the ablation / blocksize model
-    shapes: tuple[tuple[int, int, int], ...] = ()  # (d_model, n_layer, n_head) at ~ the mid model's parameters
+    shapes: tuple[
+        tuple[int, int, int], ...
+    ] = ()  # (d_model, n_layer, n_head) at ~ the mid model's parameters
     lr: float = 3e-3
     warmup: int = 50
     # the budget study: model shapes (d_model, n_layer, n_head), tokens per parameter, corpora, lr sweep
@@ -81,19 +104,40 @@ class Budget:
 
 BUDGETS: dict[str, Budget] = {
     # seconds in all: checks the pipeline end to end, not the numbers
-    "quick": Budget(steps=12, batch_size=4, seq_len=32, eval_interval=12, eval_batches=2, seeds=1,
-                    sizes=((32, 2, 2, 10), (48, 2, 2, 12)), mid=(32, 4, 2), shapes=((32, 4, 2), (48, 2, 2)), warmup=2,
-                    study_shapes=((16, 1, 2), (16, 2, 2)), tokens_per_param=(0.02, 0.05),
-                    corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3)),
+    "quick": Budget(
+        steps=12,
+        batch_size=4,
+        seq_len=32,
+        eval_interval=12,
+        eval_batches=2,
+        seeds=1,
+        sizes=((32, 2, 2, 10), (48, 2, 2, 12)),
+        mid=(32, 4, 2),
+        shapes=((32, 4, 2), (48, 2, 2)),
+        warmup=2,
+        study_shapes=((16, 1, 2), (16, 2, 2)),
+        tokens_per_param=(0.02, 0.05),
+        corpora=("stdlib", "stdlib-docs"),
+        lrs=(1e-3, 3e-3),
+    ),
     # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
-    "full": Budget(steps=500, batch_size=16, seq_len=128, eval_interval=100, eval_batches=20, seeds=2,
-                   sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
-                   mid=(96, 8, 4),
-                   # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
-                   shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
-                   # d 64 at 12 and 24 sublayers (0.34M / 0.64M parameters); 20 tokens/param ~ 6.7M / 13M tokens
-                   study_shapes=((64, 6, 4), (64, 12, 4)), tokens_per_param=(1.0, 4.0, 20.0),
-                   corpora=("stdlib", "stdlib-docs"), lrs=(1e-3, 3e-3, 1e-2)),
+    "full": Budget(
+        steps=500,
+        batch_size=16,
+        seq_len=128,
+        eval_interval=100,
+        eval_batches=20,
+        seeds=2,
+        sizes=((64, 4, 4, 400), (96, 6, 4, 500), (128, 8, 4, 600), (160, 10, 4, 700)),
+        mid=(96, 8, 4),
+        # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
+        shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
+        # d 64 at 12 and 24 sublayers (0.34M / 0.64M parameters); 20 tokens/param ~ 6.7M / 13M tokens
+        study_shapes=((64, 6, 4), (64, 12, 4)),
+        tokens_per_param=(1.0, 4.0, 20.0),
+        corpora=("stdlib", "stdlib-docs"),
+        lrs=(1e-3, 3e-3, 1e-2),
+    ),
 }
 
 
@@ -158,16 +202,28 @@ def study_steps(d: int, n_layer: int, n_head: int, tokens_per_param: float, budg
 def _study_schedule(steps: int, budget: Budget) -> dict:
     """Per-run schedule of a study run: its own full cosine over ``steps``, warmup 5 % (>= 2 steps),
     about ten evaluations and checkpoints."""
-    return {"steps": steps, "warmup": max(2, steps // 20), "eval_interval": max(1, steps // 10),
-            "log_interval": max(1, steps // 50)}
+    return {
+        "steps": steps,
+        "warmup": max(2, steps // 20),
+        "eval_interval": max(1, steps // 10),
+        "log_interval": max(1, steps // 50),
+    }
 
 
 def corpus_tag(data: str) -> str:
     return "code" if data == "stdlib" else "prose" if data == "stdlib-docs" else data
 
 
-def _study_spec(budget: Budget, data: str, shape: tuple[int, int, int], tpp: float, variant: str, o: dict,
-                seed: int, lr: float | None = None) -> RunSpec:
+def _study_spec(
+    budget: Budget,
+    data: str,
+    shape: tuple[int, int, int],
+    tpp: float,
+    variant: str,
+    o: dict,
+    seed: int,
+    lr: float | None = None,
+) -> RunSpec:
     d, n_layer, n_head = shape
     steps = study_steps(d, n_layer, n_head, tpp, budget)
     cfg = {**_model(d, n_layer, n_head), **_study_schedule(steps, budget), **o}
@@ -206,20 +262,36 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
         L = 2 * n_layer
         sizes = sorted({s for s in (1, 2, 4, 8, 16, L) if s <= L})
         for seed in range(budget.seeds):
-            out.append(RunSpec(f"baseline_s{seed}", "baseline", {**_model(d, n_layer, n_head), "residual": "prenorm"}, seed))
+            out.append(
+                RunSpec(
+                    f"baseline_s{seed}",
+                    "baseline",
+                    {**_model(d, n_layer, n_head), "residual": "prenorm"},
+                    seed,
+                )
+            )
             for s in sizes:
                 o = {**_model(d, n_layer, n_head), "residual": "block", "block_size": s}
                 out.append(RunSpec(f"S{s}_s{seed}", f"S={s}", o, seed))
     elif experiment == "analysis":
         d, n_layer, n_head = budget.mid
-        for v, o in {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"},
-                     "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
+        for v, o in {
+            "baseline": {"residual": "prenorm"},
+            "full": {"residual": "full"},
+            "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
+        }.items():
             out.append(RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0))
     elif experiment == "shape":
         for d, n_layer, n_head in budget.shapes:
-            for v, o in {"prenorm": {"residual": "prenorm"},
-                         "block": {"residual": "block", "block_size": _block_size_for(n_layer)}}.items():
-                out.append(RunSpec(f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"))
+            for v, o in {
+                "prenorm": {"residual": "prenorm"},
+                "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
+            }.items():
+                out.append(
+                    RunSpec(
+                        f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"
+                    )
+                )
     elif experiment == "budget":
         # ordered so that finished runs answer the first question first: the shallow model on code,
         # then on prose, budgets ascending, seeds in turn; then the deeper model
@@ -250,5 +322,3 @@ def run_key(spec: RunSpec, budget_name: str) -> str:
     named = {_KEY_SPELLING.get(k, k): v for k, v in spec.overrides.items()}
     parts = [budget_name] + [f"{k}={named[k]}" for k in sorted(named)] + [f"seed={spec.seed}"]
     return ",".join(parts).replace("=", "-").replace(",", "_")
-
-

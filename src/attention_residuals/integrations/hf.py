@@ -149,7 +149,9 @@ class AttnResPreTrainedModel(PreTrainedModel):
         c = self.config
         std = c.init_std
         if isinstance(module, GPT):
-            cos, sin = rope_tables(c.seq_len, c.d_model // c.n_head, c.rope_theta, device=module.rope_cos.device)
+            cos, sin = rope_tables(
+                c.seq_len, c.d_model // c.n_head, c.rope_theta, device=module.rope_cos.device
+            )
             init.copy_(module.rope_cos, cos)
             init.copy_(module.rope_sin, sin)
         elif isinstance(module, nn.Embedding):
@@ -163,10 +165,16 @@ class AttnResPreTrainedModel(PreTrainedModel):
         elif isinstance(module, Connection):
             # a freshly built rule of the same configuration holds the right init (zero queries...)
             # (its non-persistent buffers, e.g. mHC's permutation matrices, are never loaded)
-            own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+            own = {
+                **dict(module.named_parameters(recurse=False)),
+                **dict(module.named_buffers(recurse=False)),
+            }
             if own and not all(getattr(p, "_is_hf_initialized", False) for p in own.values()):
                 fresh = _fresh_connection(c.to_gpt_config())
-                values = {**dict(fresh.named_parameters(recurse=False)), **dict(fresh.named_buffers(recurse=False))}
+                values = {
+                    **dict(fresh.named_parameters(recurse=False)),
+                    **dict(fresh.named_buffers(recurse=False)),
+                }
                 for name, value in values.items():
                     init.copy_(own[name], value.to(own[name].dtype))
 
@@ -258,7 +266,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
             raise ValueError("inputs_embeds: not supported by AttnResForCausalLM, pass input_ids")
         for name in ("output_hidden_states", "output_attentions"):
             if kwargs.get(name):
-                raise ValueError(f"{name}: not supported (use GPT.depth_weights for the depth-attention weights)")
+                raise ValueError(
+                    f"{name}: not supported (use GPT.depth_weights for the depth-attention weights)"
+                )
         if input_ids is None:
             raise ValueError("input_ids: required")
         if cache is None:
@@ -282,7 +292,9 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+                raise ValueError(
+                    f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}"
+                )
             full = logits if logits.shape[1] == input_ids.shape[1] else self.model.lm_head(hidden)
             loss = F.cross_entropy(
                 full[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
@@ -307,7 +319,9 @@ def _check_no_padding(mask: torch.Tensor, past: int, T: int) -> None:
         causal = torch.ones(T, past + T, dtype=torch.bool, device=mask.device).tril(past)
         ok = bool((allowed[..., : past + T] == causal).all()) and not bool(allowed[..., past + T :].any())
     else:
-        raise ValueError(f"attention_mask: expected a [B, S] or [B, 1, T, S] mask, got shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected a [B, S] or [B, 1, T, S] mask, got shape {tuple(mask.shape)}"
+        )
     if not ok:
         raise ValueError(
             "attention_mask: padding is not supported (the model attends to every earlier token); "
@@ -380,7 +394,9 @@ def _model_config_of(run_config: dict, where: str) -> GPTConfig:
     return GPTConfig.from_dict(known).validate()
 
 
-def export_hf(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None) -> Path:
+def export_hf(
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None
+) -> Path:
     """Convert a run directory (``config.json`` + ``checkpoint.safetensors``) to an HF model folder."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     gpt_cfg, weights, run_config, step = _read_run(run_dir)
@@ -446,8 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("src", help="RUN_DIR (or HF_DIR with --import)")
     parser.add_argument("dst", help="OUT_DIR (or RUN_DIR with --import)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: keep)")
-    parser.add_argument("--import", dest="reverse", action="store_true", help="convert HF_DIR back to RUN_DIR")
+    parser.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: keep)"
+    )
+    parser.add_argument(
+        "--import", dest="reverse", action="store_true", help="convert HF_DIR back to RUN_DIR"
+    )
     args = parser.parse_args(argv)
     try:
         if args.reverse:
@@ -457,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
             out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype))
             note = json.loads((out / EXPORT_FILE).read_text())["tokenizer"]
             print(f"wrote {out} with {note}")
-            print("load it with: import attention_residuals.integrations.hf; AutoModelForCausalLM.from_pretrained(...)")
+            print(
+                "load it with: import attention_residuals.integrations.hf; AutoModelForCausalLM.from_pretrained(...)"
+            )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"attnres export-hf: error: {e}", file=sys.stderr)
         return 1

@@ -244,7 +244,9 @@ def apply_attnres(
     if isinstance(layers, str):
         path, layer_list = layers, model.get_submodule(layers)
         if not isinstance(layer_list, nn.ModuleList):
-            raise ValueError(f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList")
+            raise ValueError(
+                f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList"
+            )
         _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
     elif isinstance(layers, nn.ModuleList):
         layer_list = layers
@@ -255,7 +257,9 @@ def apply_attnres(
     elif layers is None:
         path, layer_list, names = find_decoder_layers(model, names)
     else:
-        raise TypeError(f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}")
+        raise TypeError(
+            f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}"
+        )
     owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     if hasattr(owner, _OWNER_ATTR):
         raise ValueError(f"model: {type(owner).__name__} already has an attribute {_OWNER_ATTR!r}")

@@ -30,7 +30,16 @@ from torch.nn.parallel import DistributedDataParallel
 from .dist import DistEnv, destroy_distributed, guarded, init_distributed, launcher_env
 
 __all__ = [
-    "barrier", "device_for", "is_main", "local_batch", "main_first", "mean", "setup", "sync_context", "teardown", "wrap",
+    "barrier",
+    "device_for",
+    "is_main",
+    "local_batch",
+    "main_first",
+    "mean",
+    "setup",
+    "sync_context",
+    "teardown",
+    "wrap",
 ]
 
 T = TypeVar("T")

@@ -143,7 +143,9 @@ def init_distributed(
     """
     timeout = default_timeout() if timeout_s is None else float(timeout_s)
     if dist.is_available() and dist.is_initialized():
-        env = DistEnv(dist.get_rank(), dist.get_world_size(), _local_rank(), dist.get_backend(), True, timeout)
+        env = DistEnv(
+            dist.get_rank(), dist.get_world_size(), _local_rank(), dist.get_backend(), True, timeout
+        )
         _check_expected(env, expected_world_size)
         return env
     launched = launcher_env()
@@ -164,8 +166,9 @@ def init_distributed(
         )
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size,
-                                  timeout=datetime.timedelta(seconds=timeout))
+    kwargs: dict[str, Any] = dict(
+        backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+    )
     if init_method is not None:
         kwargs["init_method"] = init_method
     started = time.monotonic()
@@ -248,18 +251,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, init: str, backend: str, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, results) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    init: str,
+    backend: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results,
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
         if init.startswith("env:"):  # what torchrun does: the group is left to the program
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                              LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=init.removeprefix("env:"), ATTNRES_DIST_TIMEOUT=str(timeout_s))
+            os.environ.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=init.removeprefix("env:"),
+                ATTNRES_DIST_TIMEOUT=str(timeout_s),
+            )
         else:
-            init_distributed(backend, rank=rank, world_size=world_size, init_method=f"file://{init}",
-                             timeout_s=timeout_s)
+            init_distributed(
+                backend, rank=rank, world_size=world_size, init_method=f"file://{init}", timeout_s=timeout_s
+            )
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles that die with this process
@@ -271,10 +289,17 @@ def _worker(rank: int, world_size: int, init: str, backend: str, timeout_s: floa
             destroy_distributed()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = 60.0, group_timeout_s: float | None = None,
-          ranks: list[int] | None = None, start_method: str | None = None,
-          launcher: bool = False) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+    group_timeout_s: float | None = None,
+    ranks: list[int] | None = None,
+    start_method: str | None = None,
+    launcher: bool = False,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new local processes, each inside a
     ``backend`` process group (file rendezvous, so no port is needed), and return the results
     ordered by rank. ``fn`` must be importable (module level) and its result picklable.
@@ -300,8 +325,12 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
     os.remove(init_file)  # FileStore creates it; a stale file would confuse the rendezvous
     started = list(range(world_size) if ranks is None else ranks)
     init = f"env:{_free_port()}" if launcher else init_file
-    procs = [ctx.Process(target=_worker, args=(r, world_size, init, backend, group_timeout, fn, args, results),
-                         daemon=True) for r in started]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, init, backend, group_timeout, fn, args, results), daemon=True
+        )
+        for r in started
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -315,8 +344,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "g
                 rank, status, payload = results.get(timeout=min(remaining, 0.5))
                 got[rank] = (status, payload)
             except queue_mod.Empty:
-                dead = [r for r, p in zip(started, procs, strict=True)
-                        if not p.is_alive() and r not in got and p.exitcode not in (None, 0)]
+                dead = [
+                    r
+                    for r, p in zip(started, procs, strict=True)
+                    if not p.is_alive() and r not in got and p.exitcode not in (None, 0)
+                ]
                 if dead and all(not p.is_alive() for p in procs):
                     break
                 # a rank that exited without reporting: give the others their process-group timeout

@@ -90,11 +90,21 @@ class PipelineLayout:
     bounds: tuple[int, ...]
 
     @classmethod
-    def build(cls, n_layers: int, block_size: int, stages: int, virtual: int = 1,
-              chunk_layers: list[int] | None = None) -> PipelineLayout:
+    def build(
+        cls,
+        n_layers: int,
+        block_size: int,
+        stages: int,
+        virtual: int = 1,
+        chunk_layers: list[int] | None = None,
+    ) -> PipelineLayout:
         """Even split (the first ``L mod C`` chunks get one more sublayer) or ``chunk_layers``."""
-        for name, value in (("n_layers", n_layers), ("block_size", block_size), ("stages", stages),
-                            ("virtual", virtual)):
+        for name, value in (
+            ("n_layers", n_layers),
+            ("block_size", block_size),
+            ("stages", stages),
+            ("virtual", virtual),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         C = stages * virtual
@@ -252,8 +262,15 @@ class PipelineParallel:
     split into ``microbatches`` and leaves the gradients in ``.grad``.
     """
 
-    def __init__(self, model, stages: int | None = None, virtual: int = 1, scheme: str = "cached",
-                 group=None, chunk_layers: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        stages: int | None = None,
+        virtual: int = 1,
+        scheme: str = "cached",
+        group=None,
+        chunk_layers: list[int] | None = None,
+    ) -> None:
         _check_scheme(scheme)
         if not isinstance(model.residual, BlockAttnRes):
             raise ValueError(
@@ -269,8 +286,9 @@ class PipelineParallel:
                 f"{stages} ranks, this one has {world}; launch with torchrun --nproc-per-node {stages}"
             )
         self.model, self.scheme, self.group = model, scheme, group
-        self.layout = PipelineLayout.build(model.residual.n_layers, model.residual.block_size, stages,
-                                           virtual, chunk_layers)
+        self.layout = PipelineLayout.build(
+            model.residual.n_layers, model.residual.block_size, stages, virtual, chunk_layers
+        )
         self.rank = dist.get_rank(group)
         self._peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(stages)]
         self._stats = PipelineStats(loss=float("nan"))
@@ -364,8 +382,9 @@ class PipelineParallel:
 
     # ----------------------------------------------------------------- one chunk
 
-    def _forward_chunk(self, c: int, idx: torch.Tensor, targets: torch.Tensor | None,
-                       cache: dict[int, _Holder]) -> tuple[_Record, dict[int, _Holder]]:
+    def _forward_chunk(
+        self, c: int, idx: torch.Tensor, targets: torch.Tensor | None, cache: dict[int, _Holder]
+    ) -> tuple[_Record, dict[int, _Holder]]:
         m, L = self.model, self.layout
         res = m.residual
         B, T = idx.shape
@@ -384,7 +403,11 @@ class PipelineParallel:
             d = res.d_model
             p = next(m.parameters())
             # k = 0 only on one stage: the rank already holds every block and no partial is open
-            got = [_Holder(t) for t in self._recv((k, B, T, d), p.dtype, p.device, c - 1).unbind(0)] if k else []
+            got = (
+                [_Holder(t) for t in self._recv((k, B, T, d), p.dtype, p.device, c - 1).unbind(0)]
+                if k
+                else []
+            )
             rec.received = got
             if self.scheme == "naive":
                 cache = {}
@@ -454,12 +477,16 @@ class PipelineParallel:
         for leaf, holder in rec.inputs:
             holder.add_grad(leaf.grad)
         if rec.received:
-            g = torch.stack([h.grad if h.grad is not None else torch.zeros_like(h.value) for h in rec.received])
+            g = torch.stack(
+                [h.grad if h.grad is not None else torch.zeros_like(h.value) for h in rec.received]
+            )
             self._send(g, c - 1, backward=True)
 
     # ----------------------------------------------------------------- one step
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor | None = None, microbatches: int = 1) -> PipelineStats:
+    def step(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, microbatches: int = 1
+    ) -> PipelineStats:
         """Forward and backward of one batch ``idx`` ``[B, T]`` (needed on every rank, for the
         shapes; the embedding uses it on rank 0) with ``targets`` (needed on the last stage's
         rank), split into ``microbatches``. Accumulates into ``.grad`` (call ``zero_grad``

@@ -46,8 +46,9 @@ from .dist import guarded
 __all__ = ["SHARDS", "PrefillResult", "PrefillStats", "block_state_bytes", "prefill"]
 
 
-def block_state_bytes(n_tensors: int, batch: int, tokens: int, d_model: int, element_size: int,
-                      shards: int = 1) -> int:
+def block_state_bytes(
+    n_tensors: int, batch: int, tokens: int, d_model: int, element_size: int, shards: int = 1
+) -> int:
     """Closed form: ``n_tensors`` block states of ``batch x tokens x d_model / shards`` elements."""
     return n_tensors * batch * tokens * (d_model // shards) * element_size
 
@@ -170,8 +171,15 @@ SHARDS = ("sequence", "hidden")
 
 
 @torch.no_grad()
-def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = None,
-            last_only: bool = False, shard: str = "sequence") -> PrefillResult:
+def prefill(
+    model,
+    idx: torch.Tensor,
+    *,
+    group=None,
+    chunk_size: int | None = None,
+    last_only: bool = False,
+    shard: str = "sequence",
+) -> PrefillResult:
     """Prefill ``idx`` ``[B, T]`` through a Block AttnRes GPT; exact (to float rounding).
 
     ``group``: a process group whose ranks shard the block states (every rank passes the same
@@ -198,8 +206,9 @@ def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = No
         raise ValueError(f"sharded prefill: d_model={d} must split evenly over {tp} ranks")
     lo, hi = rank * d // tp, (rank + 1) * d // tp
     p = model.lm_head.weight
-    stats = PrefillStats(tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo,
-                         element_size=p.element_size())
+    stats = PrefillStats(
+        tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo, element_size=p.element_size()
+    )
     sharded = _Sharded(res, lo, hi, group, stats)
     cache = model.new_cache(B, max_len=T)
     stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
@@ -216,7 +225,9 @@ def prefill(model, idx: torch.Tensor, *, group=None, chunk_size: int | None = No
             h = sharded.gather(sharded.attend(l, states.sources()))
             v = model.layers[l](model.norms[l](h), cos, sin, cache)
             out = v[..., lo:hi].clone()
-            stats.transient_bytes = max(stats.transient_bytes, (h.numel() + v.numel() + out.numel()) * h.element_size())
+            stats.transient_bytes = max(
+                stats.transient_bytes, (h.numel() + v.numel() + out.numel()) * h.element_size()
+            )
             del h, v
             states.add(l, out)
             del out
@@ -240,8 +251,9 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
     rank = dist.get_rank(group) if group is not None else 0
     d = res.d_model
     p = model.lm_head.weight
-    stats = PrefillStats(tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=d,
-                         element_size=p.element_size())
+    stats = PrefillStats(
+        tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=d, element_size=p.element_size()
+    )
     local = _Sharded(res, 0, d, None, stats)  # full channels, local tokens: no all-reduce
     cache = model.new_cache(B, max_len=T)
     stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()

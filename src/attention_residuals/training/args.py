@@ -25,6 +25,7 @@ from .tokenizer import load_tokenizer
 
 __all__ = ["add_flags", "build_parser", "config_from_args", "flag_words", "read_config", "to_flags"]
 
+
 def _help(ff: FlatField) -> str:
     return ff.meta.get("help") or f"{ff.owner.__name__}.{ff.path[-1]}"
 
@@ -60,8 +61,13 @@ def _add_flag(group: Any, ff: FlatField, default: Any) -> None:
     if is_bool and ff.meta.get("switch"):
         group.add_argument(ff.flag, action="store_true", default=argparse.SUPPRESS, dest=ff.name, help=text)
     elif is_bool:
-        group.add_argument(ff.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                           dest=ff.name, help=f"{text} (default: {default})")
+        group.add_argument(
+            ff.flag,
+            action=argparse.BooleanOptionalAction,
+            default=argparse.SUPPRESS,
+            dest=ff.name,
+            help=f"{text} (default: {default})",
+        )
     else:
         choices = _choices(ff)
         kw: dict[str, Any] = {"type": conv, "default": argparse.SUPPRESS, "dest": ff.name}
@@ -92,7 +98,9 @@ def flag_words(ff: FlatField, value: Any) -> list[str]:
     return [ff.flag, str(value) if isinstance(value, int | float | str) else json.dumps(value)]
 
 
-def to_flags(obj: Any, *, always: Iterable[str] = (), skip: Callable[[FlatField], bool] | None = None) -> list[str]:
+def to_flags(
+    obj: Any, *, always: Iterable[str] = (), skip: Callable[[FlatField], bool] | None = None
+) -> list[str]:
     """The flags reproducing the dataclass ``obj`` from its class's defaults: its non-default
     options plus those named in ``always``, except the ``skip`` ones not in ``always``."""
     base, always = type(obj)(), set(always)
@@ -122,8 +130,12 @@ def build_parser(prog: str = "attnres train") -> argparse.ArgumentParser:
         "  attnres train --data corpus/ --seq-len 512 --optimizer muon --schedule wsd --out runs/wsd",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", metavar="JSON", default=None,
-                   help="start from this config (e.g. a run's config.json); the other flags override it")
+    p.add_argument(
+        "--config",
+        metavar="JSON",
+        default=None,
+        help="start from this config (e.g. a run's config.json); the other flags override it",
+    )
     groups = {
         "model": p.add_argument_group("model"),
         "training": p.add_argument_group("training"),

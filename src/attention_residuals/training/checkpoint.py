@@ -190,7 +190,9 @@ def _split(blob: bytes, name: str) -> tuple[dict, memoryview]:
         raise CheckpointError(f"checkpoint {name} is truncated ({len(blob)} bytes, no header)")
     (n,) = struct.unpack("<Q", blob[:8])
     if n > _MAX_HEADER or 8 + n > len(blob):
-        raise CheckpointError(f"checkpoint {name} is truncated or corrupt (header of {n} bytes, file of {len(blob)})")
+        raise CheckpointError(
+            f"checkpoint {name} is truncated or corrupt (header of {n} bytes, file of {len(blob)})"
+        )
     try:
         header = json.loads(bytes(blob[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -302,7 +304,9 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     header, data = _split(blob, str(path))
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an attention_residuals checkpoint (format={meta.get('format')!r})")
+        raise CheckpointError(
+            f"{path} is not an attention_residuals checkpoint (format={meta.get('format')!r})"
+        )
     if "sha256_data" not in meta or "sha256_meta" not in meta:
         raise CheckpointError(f"checkpoint {path} has no checksums")
     if _meta_digest(meta) != meta["sha256_meta"]:

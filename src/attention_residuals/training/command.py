@@ -24,6 +24,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not _dp.is_main():
         return 0
-    print(json.dumps({k: summary[k] for k in ("run_dir", "done", "step", "final_val_loss", "final_train_loss",
-                                              "params", "tokens_per_s", "wall_s")}))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "run_dir",
+                    "done",
+                    "step",
+                    "final_val_loss",
+                    "final_train_loss",
+                    "params",
+                    "tokens_per_s",
+                    "wall_s",
+                )
+            }
+        )
+    )
     return 130 if summary.get("interrupted") else 0

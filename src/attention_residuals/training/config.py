@@ -66,9 +66,13 @@ class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     # optimisation
     steps: int = _f(1000, "optimizer steps in the whole run")
-    batch_size: int = _f(16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)")
+    batch_size: int = _f(
+        16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)"
+    )
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
-    optimizer: str = _f("adamw", "adamw, or muon (Muon on sublayer matrices, AdamW on the rest)", choices=OPTIMIZERS)
+    optimizer: str = _f(
+        "adamw", "adamw, or muon (Muon on sublayer matrices, AdamW on the rest)", choices=OPTIMIZERS
+    )
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of the cosine / WSD decay")
     warmup: int = _f(100, "linear warmup steps")
@@ -81,9 +85,13 @@ class TrainConfig:
     dtype: str = _f("float32", "autocast dtype of the forward pass", choices=DTYPES)
     seed: int = _f(0, "seed of the initialisation and of the training batches")
     # data
-    data: str | None = _f(None, "text file, folder or glob (default: the Python standard library's .py files)")
+    data: str | None = _f(
+        None, "text file, folder or glob (default: the Python standard library's .py files)"
+    )
     val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)")
-    tokenizer: str | None = _f(None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes")
+    tokenizer: str | None = _f(
+        None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes"
+    )
     # logging / evaluation / checkpoints
     eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)")
     eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)")
@@ -91,13 +99,18 @@ class TrainConfig:
     ckpt_interval: int = _f(0, "save a checkpoint every this many steps (0: at every evaluation)")
     # run control: not part of the run's identity
     out: str = _rc("runs/train", "run directory")
-    resume: bool = _rc(False, "continue the run in --out from its checkpoint (starts fresh if there is none)",
-                       switch=True)
+    resume: bool = _rc(
+        False, "continue the run in --out from its checkpoint (starts fresh if there is none)", switch=True
+    )
     overwrite: bool = _rc(False, "delete the run files in --out and start again", switch=True)
-    stop_at: int | None = _rc(None, "stop (checkpointed, resumable) after this step; the schedule still spans --steps")
+    stop_at: int | None = _rc(
+        None, "stop (checkpointed, resumable) after this step; the schedule still spans --steps"
+    )
     progress: bool = _rc(True, "show a progress bar")
     device: str = _rc("auto", "cpu, cuda, cuda:N or auto")
-    cache_dir: str | None = _rc(None, "token cache folder (default $ATTNRES_CACHE or ~/.cache/attention_residuals)")
+    cache_dir: str | None = _rc(
+        None, "token cache folder (default $ATTNRES_CACHE or ~/.cache/attention_residuals)"
+    )
 
     @classmethod
     def run_control_fields(cls) -> set[str]:
@@ -106,7 +119,9 @@ class TrainConfig:
     def identity(self) -> dict:
         """The part of the config that defines the run: model + non-run-control training fields."""
         rc = self.run_control_fields()
-        train = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model" and f.name not in rc}
+        train = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name != "model" and f.name not in rc
+        }
         return {"model": self.model.to_dict(), "train": train}
 
     def to_dict(self) -> dict:
@@ -219,8 +234,10 @@ def flat_fields(cls: type) -> tuple[FlatField, ...]:
     seen: dict[str, FlatField] = {}
     for ff in out:
         if ff.name in seen:
-            raise TypeError(f"{cls.__name__}: the options {'.'.join(seen[ff.name].path)} and "
-                            f"{'.'.join(ff.path)} share the flat name {ff.name!r}")
+            raise TypeError(
+                f"{cls.__name__}: the options {'.'.join(seen[ff.name].path)} and "
+                f"{'.'.join(ff.path)} share the flat name {ff.name!r}"
+            )
         seen[ff.name] = ff
     return tuple(out)
 

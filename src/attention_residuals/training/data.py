@@ -174,7 +174,9 @@ def _path_rank(rel: str) -> str:
     return hashlib.sha256(rel.encode("utf-8")).hexdigest()
 
 
-def split_files(rel_paths: list[str], val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[list[int], list[int]]:
+def split_files(
+    rel_paths: list[str], val_fraction: float = DEFAULT_VAL_FRACTION
+) -> tuple[list[int], list[int]]:
     """Indices of the train and validation files, split by file.
 
     The ``max(1, round(n * val_fraction))`` files with the smallest sha256 of their relative path
@@ -322,14 +324,18 @@ def _check_ids(arr: np.ndarray, vocab_size: int) -> None:
             raise ValueError(f"the tokenizer produced id {bad}, outside [0, vocab_size={vocab_size})")
 
 
-def _write_tokens(path: Path, chunks: Iterable[Iterable[int] | bytes], dtype: np.dtype, vocab_size: int) -> int:
+def _write_tokens(
+    path: Path, chunks: Iterable[Iterable[int] | bytes], dtype: np.dtype, vocab_size: int
+) -> int:
     n = 0
     with open(path, "wb") as f:
         for chunk in chunks:
             if isinstance(chunk, bytes | bytearray):
                 arr = np.frombuffer(chunk, dtype=np.uint8)
             else:
-                arr = np.asarray(chunk if isinstance(chunk, list | np.ndarray) else list(chunk), dtype=np.int64)
+                arr = np.asarray(
+                    chunk if isinstance(chunk, list | np.ndarray) else list(chunk), dtype=np.int64
+                )
                 _check_ids(arr, vocab_size)
             arr.astype(dtype, copy=False).tofile(f)
             n += arr.size
@@ -355,7 +361,11 @@ def _load_cached(entry: Path) -> tuple[np.ndarray, np.ndarray, dict] | None:
         for name, n in (("train.bin", train_n), ("val.bin", val_n)):
             if (entry / name).stat().st_size != n * dtype.itemsize:
                 return None
-        return _open_tokens(entry / "train.bin", dtype, train_n), _open_tokens(entry / "val.bin", dtype, val_n), meta
+        return (
+            _open_tokens(entry / "train.bin", dtype, train_n),
+            _open_tokens(entry / "val.bin", dtype, val_n),
+            meta,
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -428,7 +438,13 @@ def load_corpus(
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     key = hashlib.sha256(
         json.dumps(
-            {"corpus": corpus_sha, "tokenizer": tok, "vocab": vocab_size, "val": val_fraction, "fmt": _CACHE_FORMAT},
+            {
+                "corpus": corpus_sha,
+                "tokenizer": tok,
+                "vocab": vocab_size,
+                "val": val_fraction,
+                "fmt": _CACHE_FORMAT,
+            },
             sort_keys=True,
         ).encode()
     ).hexdigest()
@@ -437,7 +453,9 @@ def load_corpus(
     hit = _load_cached(entry)
     if hit is not None:
         train, val, meta = hit
-        return Corpus(train, val, vocab_size, corpus_sha, spec, tok, meta["train_files"], meta["val_files"], True)
+        return Corpus(
+            train, val, vocab_size, corpus_sha, spec, tok, meta["train_files"], meta["val_files"], True
+        )
 
     dtype = token_dtype(vocab_size)
     cache.mkdir(parents=True, exist_ok=True)
@@ -449,16 +467,24 @@ def load_corpus(
             (text,) = list(_datasets_rows(paths, cache))
             train_text, val_text = _split_text(text, val_fraction, what)
             train_files, val_files = files, files
-            train_n = _write_tokens(tmp / "train.bin", _tokenize_docs([train_text], encode), dtype, vocab_size)
+            train_n = _write_tokens(
+                tmp / "train.bin", _tokenize_docs([train_text], encode), dtype, vocab_size
+            )
             val_n = _write_tokens(tmp / "val.bin", _tokenize_docs([val_text], encode), dtype, vocab_size)
         else:
             tr, va = split_files(files, val_fraction)
             train_files, val_files = [files[i] for i in tr], [files[i] for i in va]
             train_n = _write_tokens(
-                tmp / "train.bin", _tokenize_docs(_datasets_rows([paths[i] for i in tr], cache), encode), dtype, vocab_size
+                tmp / "train.bin",
+                _tokenize_docs(_datasets_rows([paths[i] for i in tr], cache), encode),
+                dtype,
+                vocab_size,
             )
             val_n = _write_tokens(
-                tmp / "val.bin", _tokenize_docs(_datasets_rows([paths[i] for i in va], cache), encode), dtype, vocab_size
+                tmp / "val.bin",
+                _tokenize_docs(_datasets_rows([paths[i] for i in va], cache), encode),
+                dtype,
+                vocab_size,
             )
         meta = {
             "source": spec,
@@ -486,7 +512,9 @@ def load_corpus(
     if hit is None:
         raise RuntimeError(f"token cache {entry} unreadable right after writing it")
     train, val, meta = hit
-    return Corpus(train, val, vocab_size, corpus_sha, spec, tok, meta["train_files"], meta["val_files"], False)
+    return Corpus(
+        train, val, vocab_size, corpus_sha, spec, tok, meta["train_files"], meta["val_files"], False
+    )
 
 
 _STDLIB_MEMO: dict[tuple, Corpus] = {}
@@ -591,7 +619,9 @@ def load_stdlib_corpus(
         rels, blobs = [r for r, b in zip(rels, blobs) if b], [b for b in blobs if b]
     entries = [(rel, hashlib.sha256(b).hexdigest(), len(b)) for rel, b in zip(rels, blobs)]
     if len(rels) < 2:
-        raise FileNotFoundError(f"standard library at {base} has fewer than 2 .py files{' with prose' * prose}")
+        raise FileNotFoundError(
+            f"standard library at {base} has fewer than 2 .py files{' with prose' * prose}"
+        )
     tr, va = split_files(rels, val_fraction)
     dtype = token_dtype(vocab_size)
 
@@ -652,7 +682,9 @@ def get_batch(
     if n < seq_len + 1:
         raise ValueError(f"{n} tokens are fewer than seq_len + 1 = {seq_len + 1}")
     rng = np.random.default_rng([seed, step, stream])
-    starts = rng.integers(0, n - seq_len, size=batch_size * world_size)[rank * batch_size : (rank + 1) * batch_size]
+    starts = rng.integers(0, n - seq_len, size=batch_size * world_size)[
+        rank * batch_size : (rank + 1) * batch_size
+    ]
     window = starts[:, None] + np.arange(seq_len + 1)[None, :]
     chunk = torch.from_numpy(np.asarray(tokens[window], dtype=np.int64))
     x, y = chunk[:, :-1], chunk[:, 1:]
@@ -674,6 +706,13 @@ def eval_batches(
     """The fixed validation windows: the same for every run and seed, so val losses compare."""
     for i in range(n_batches):
         yield get_batch(
-            tokens, batch_size, seq_len, seed=EVAL_SEED, step=i, rank=rank, world_size=world_size,
-            stream=VAL_STREAM, device=device,
+            tokens,
+            batch_size,
+            seq_len,
+            seed=EVAL_SEED,
+            step=i,
+            rank=rank,
+            world_size=world_size,
+            stream=VAL_STREAM,
+            device=device,
         )

@@ -45,8 +45,9 @@ def load_run(
     record = json.loads(cfg_path.read_text())
     cfg = TrainConfig.from_dict({"model": record.get("model", {}), "train": record.get("train", {})})
     model = GPT(cfg.model)
-    info = load_checkpoint(Path(checkpoint) if checkpoint else run_dir / CHECKPOINT_FILE, model=model,
-                           restore_rng=False)
+    info = load_checkpoint(
+        Path(checkpoint) if checkpoint else run_dir / CHECKPOINT_FILE, model=model, restore_rng=False
+    )
     info["record"] = record
     return model.to(resolve_device(device)).eval(), cfg, info
 
@@ -85,8 +86,13 @@ def evaluate_run(
     bs = batch_size or cfg.batch_size
     dev = next(model.parameters()).device
     loss = estimate_loss(
-        model, corpus.val if split == "val" else corpus.train, n_batches=n, batch_size=bs,
-        seq_len=cfg.model.seq_len, device=dev, dtype=cfg.dtype,
+        model,
+        corpus.val if split == "val" else corpus.train,
+        n_batches=n,
+        batch_size=bs,
+        seq_len=cfg.model.seq_len,
+        device=dev,
+        dtype=cfg.dtype,
     )
     out: dict[str, Any] = {
         "run_dir": str(run_dir),
@@ -121,11 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", help="run directory written by `attnres train`")
-    p.add_argument("--batches", type=int, default=None, help="number of batches (default: the run's --eval-batches)")
+    p.add_argument(
+        "--batches", type=int, default=None, help="number of batches (default: the run's --eval-batches)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     p.add_argument("--split", choices=("val", "train"), default="val", help="which split (default: val)")
-    p.add_argument("--data", default=None, help="evaluate on this text file/folder/glob instead of the run's corpus")
-    p.add_argument("--checkpoint", default=None, help="checkpoint file (default: RUN_DIR/checkpoint.safetensors)")
+    p.add_argument(
+        "--data", default=None, help="evaluate on this text file/folder/glob instead of the run's corpus"
+    )
+    p.add_argument(
+        "--checkpoint", default=None, help="checkpoint file (default: RUN_DIR/checkpoint.safetensors)"
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--cache-dir", default=None, help="token cache folder for --data")
     return p
@@ -135,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = evaluate_run(
-            args.run_dir, batches=args.batches, batch_size=args.batch_size, split=args.split, data=args.data,
-            checkpoint=args.checkpoint, device=args.device, cache_dir=args.cache_dir,
+            args.run_dir,
+            batches=args.batches,
+            batch_size=args.batch_size,
+            split=args.split,
+            data=args.data,
+            checkpoint=args.checkpoint,
+            device=args.device,
+            cache_dir=args.cache_dir,
         )
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"attnres eval: error: {e}", file=sys.stderr)

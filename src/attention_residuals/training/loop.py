@@ -124,10 +124,16 @@ def estimate_loss(
 def load_corpus_for(cfg: TrainConfig) -> Corpus:
     """The corpus a run trains on: ``cfg.data`` in bytes, or through ``cfg.tokenizer``."""
     if cfg.tokenizer is None:
-        return load_corpus(cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction,
-                           cache_dir=cfg.cache_dir)
-    corpus, _ = load_tokenized_corpus(cfg.tokenizer, cfg.data, vocab_size=cfg.model.vocab_size,
-                                      val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir)
+        return load_corpus(
+            cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir
+        )
+    corpus, _ = load_tokenized_corpus(
+        cfg.tokenizer,
+        cfg.data,
+        vocab_size=cfg.model.vocab_size,
+        val_fraction=cfg.val_fraction,
+        cache_dir=cfg.cache_dir,
+    )
     return corpus
 
 
@@ -176,15 +182,25 @@ def make_context(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> RunCo
     if corpus is None:
         corpus = _dp.main_first(env, lambda: load_corpus_for(cfg))
     if corpus.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}")
+        raise ValueError(
+            f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}"
+        )
     corpus.check_fits(cfg.model.seq_len)
     micro_batch = _dp.local_batch(cfg.batch_size, env)
     return RunContext(cfg, env, device, corpus, run_identity(cfg, corpus.info()), micro_batch)
 
 
 # the counters a checkpoint's ``extra`` holds, with their defaults
-_COUNTERS = {"tokens": 0, "wall_s": 0.0, "train_s": 0.0, "window_tokens": 0, "window_s": 0.0,
-             "last_train_loss": None, "last_val_loss": None, "best_val_loss": None}
+_COUNTERS = {
+    "tokens": 0,
+    "wall_s": 0.0,
+    "train_s": 0.0,
+    "window_tokens": 0,
+    "window_s": 0.0,
+    "last_train_loss": None,
+    "last_val_loss": None,
+    "best_val_loss": None,
+}
 
 
 @dataclass
@@ -254,7 +270,12 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
     scheduler = build_scheduler(
-        optimizer, cfg.schedule, steps=cfg.steps, warmup=cfg.warmup, lr=cfg.lr, min_lr=cfg.min_lr,
+        optimizer,
+        cfg.schedule,
+        steps=cfg.steps,
+        warmup=cfg.warmup,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
         decay_frac=cfg.decay_frac,
     )
     return TrainState(model, optimizer, scheduler)
@@ -276,8 +297,16 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=ctx.device)
     for micro in range(A):
-        x, y = get_batch(ctx.corpus.train, ctx.micro_batch, T, seed=cfg.seed, step=state.step * A + micro,
-                         rank=ctx.env.rank, world_size=ctx.env.world_size, device=ctx.device)
+        x, y = get_batch(
+            ctx.corpus.train,
+            ctx.micro_batch,
+            T,
+            seed=cfg.seed,
+            step=state.step * A + micro,
+            rank=ctx.env.rank,
+            world_size=ctx.env.world_size,
+            device=ctx.device,
+        )
         with _dp.sync_context(state.net, micro == A - 1):  # DDP: all-reduce on the last one only
             with autocast(ctx.device, cfg.dtype):
                 _, loss = state.net(x, y)
@@ -315,21 +344,46 @@ class MetricsWriter:
 
     def first_row(self, state: TrainState) -> None:
         """Step 0: the validation loss of the initial model."""
-        self.write({"step": 0, "train_loss": None, "val_loss": state.last_val_loss, "lr": state.lr,
-                    "tokens": 0, "tokens_per_s": None, "wall_s": round(state.wall(), 3)})
+        self.write(
+            {
+                "step": 0,
+                "train_loss": None,
+                "val_loss": state.last_val_loss,
+                "lr": state.lr,
+                "tokens": 0,
+                "tokens_per_s": None,
+                "wall_s": round(state.wall(), 3),
+            }
+        )
 
     def step_row(self, state: TrainState, result: StepResult, val_loss: float | None) -> None:
         tps = state.take_window_rate()
-        self.write({"step": state.step, "train_loss": result.loss, "val_loss": val_loss, "lr": result.lr,
-                    "tokens": state.tokens, "tokens_per_s": None if tps is None else round(tps, 1),
-                    "wall_s": round(state.wall(), 3), "grad_norm": float(result.grad_norm)})
+        self.write(
+            {
+                "step": state.step,
+                "train_loss": result.loss,
+                "val_loss": val_loss,
+                "lr": result.lr,
+                "tokens": state.tokens,
+                "tokens_per_s": None if tps is None else round(tps, 1),
+                "wall_s": round(state.wall(), 3),
+                "grad_norm": float(result.grad_norm),
+            }
+        )
 
 
 def evaluate(ctx: RunContext, state: TrainState) -> float:
     """The validation loss (fixed windows of the global batch size), recorded in ``state``."""
     cfg = ctx.cfg
-    loss = estimate_loss(state.model, ctx.corpus.val, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
-                         seq_len=cfg.model.seq_len, device=ctx.device, dtype=cfg.dtype)
+    loss = estimate_loss(
+        state.model,
+        ctx.corpus.val,
+        n_batches=cfg.eval_batches,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.model.seq_len,
+        device=ctx.device,
+        dtype=cfg.dtype,
+    )
     state.record_val(loss)
     return loss
 
@@ -338,16 +392,23 @@ def save_state(ctx: RunContext, state: TrainState) -> None:
     """Checkpoint ``state`` (rank 0; the previous checkpoint is kept beside it)."""
     if ctx.is_main:
         save_checkpoint(
-            ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler,
-            step=state.step, config=ctx.identity, keep_previous=True, extra=state.counters(),
+            ctx.out / CHECKPOINT_FILE,
+            model=state.model,
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            step=state.step,
+            config=ctx.identity,
+            keep_previous=True,
+            extra=state.counters(),
         )
 
 
 def resume_state(ctx: RunContext, state: TrainState) -> None:
     """Load the newest good checkpoint into ``state`` (RNG included) and drop the metrics rows
     written after it."""
-    info, warnings = load_latest(ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer,
-                                 scheduler=state.scheduler)
+    info, warnings = load_latest(
+        ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
+    )
     for w in warnings:
         log(f"warning: {w}")
     state.step = info["step"]
@@ -362,8 +423,18 @@ class ProgressBar:
 
     def __init__(self, ctx: RunContext, start: int) -> None:
         shown = ctx.is_main and ctx.cfg.progress and ctx.end > start
-        self._bar = tqdm(total=ctx.end, initial=start, desc=ctx.out.name, unit="step", dynamic_ncols=True,
-                         file=sys.stderr) if shown else None
+        self._bar = (
+            tqdm(
+                total=ctx.end,
+                initial=start,
+                desc=ctx.out.name,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            if shown
+            else None
+        )
 
     def update(self, state: TrainState, result: StepResult, tokens_per_step: int) -> None:
         if self._bar is None:
@@ -412,8 +483,9 @@ def _due(step: int, every: int) -> bool:
     return step % every == 0
 
 
-def after_step(ctx: RunContext, state: TrainState, result: StepResult, metrics: MetricsWriter,
-               stopping: bool) -> None:
+def after_step(
+    ctx: RunContext, state: TrainState, result: StepResult, metrics: MetricsWriter, stopping: bool
+) -> None:
     """The bookkeeping of a step: check the loss, evaluate, log, checkpoint, each when due."""
     cfg, done = ctx.cfg, state.step
     if not math.isfinite(result.loss):
@@ -499,7 +571,10 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
         start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
     state.net = _dp.wrap(state.model, env)
     state.clock = time.perf_counter()
-    with MetricsWriter(ctx.out / METRICS_FILE, ctx.is_main) as metrics, StopRequest(env.world_size == 1) as stop:
+    with (
+        MetricsWriter(ctx.out / METRICS_FILE, ctx.is_main) as metrics,
+        StopRequest(env.world_size == 1) as stop,
+    ):
         if state.step == 0 and not plan.resume:
             evaluate(ctx, state)
             metrics.first_row(state)

@@ -140,7 +140,13 @@ def start_run_files(out: Path, record: dict) -> None:
 
 def clear_run(out: Path) -> None:
     """Delete the run files of ``out`` (and nothing else there)."""
-    for name in (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, CHECKPOINT_FILE, previous_path(out / CHECKPOINT_FILE).name):
+    for name in (
+        CONFIG_FILE,
+        METRICS_FILE,
+        SUMMARY_FILE,
+        CHECKPOINT_FILE,
+        previous_path(out / CHECKPOINT_FILE).name,
+    ):
         with contextlib.suppress(FileNotFoundError):
             (out / name).unlink()
 

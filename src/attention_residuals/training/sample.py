@@ -68,15 +68,16 @@ def generate_text(
             step = min(remaining, ctx - keep)
             window = seqs[:, -keep:]
             grown = model.generate(window, step, temperature=temperature, top_k=top_k, generator=gen)
-            seqs = torch.cat([seqs, grown[:, window.shape[1]:]], dim=1)
+            seqs = torch.cat([seqs, grown[:, window.shape[1] :]], dim=1)
             remaining -= step
     finally:
         model.train(was_training)
     return [decode(row.tolist()) for row in seqs]
 
 
-def run_codec(record: dict, tokenizer: str | Path | None = None) -> tuple[Callable[[str], list[int]],
-                                                                        Callable[[list[int]], str]]:
+def run_codec(
+    record: dict, tokenizer: str | Path | None = None
+) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """``(encode, decode)`` of a run from its ``config.json`` record: bytes, or the BPE tokenizer
     of ``attnres train --tokenizer DIR`` (that folder, or ``tokenizer`` when given), checked
     against the content id the run recorded. Raises ``ValueError`` / ``FileNotFoundError`` with
@@ -86,23 +87,33 @@ def run_codec(record: dict, tokenizer: str | Path | None = None) -> tuple[Callab
         return byte_encode, byte_decode
     hint = "pass --tokenizer DIR, the folder given to `attnres train --tokenizer` (it holds tokenizer.json)"
     if used == BYTE_TOKENIZER:
-        raise ValueError(f"--tokenizer {tokenizer}: the run was trained on bytes, not with a tokenizer; "
-                         "leave --tokenizer out")
+        raise ValueError(
+            f"--tokenizer {tokenizer}: the run was trained on bytes, not with a tokenizer; "
+            "leave --tokenizer out"
+        )
     path = Path(tokenizer) if tokenizer is not None else tok.tokenizer_path_of(record)
     if path is None:
-        raise ValueError(f"the run was trained with tokenizer {used!r} but its config.json records no "
-                         f"tokenizer folder; {hint}")
+        raise ValueError(
+            f"the run was trained with tokenizer {used!r} but its config.json records no "
+            f"tokenizer folder; {hint}"
+        )
     if not (path / tok.TOKENIZER_FILE).is_file():
         where = "--tokenizer" if tokenizer is not None else "the run's tokenizer folder"
-        raise FileNotFoundError(f"{where} {str(path)!r}: no {tok.TOKENIZER_FILE} there"
-                                + ("" if tokenizer is not None else f" (moved or deleted?); {hint}"))
+        raise FileNotFoundError(
+            f"{where} {str(path)!r}: no {tok.TOKENIZER_FILE} there"
+            + ("" if tokenizer is not None else f" (moved or deleted?); {hint}")
+        )
     found = tok.tokenizer_id(path)
     if found != used:
-        raise ValueError(f"tokenizer {str(path)!r} is {found!r}, not the {used!r} the run was trained with; {hint}")
+        raise ValueError(
+            f"tokenizer {str(path)!r} is {found!r}, not the {used!r} the run was trained with; {hint}"
+        )
     try:
         hook = tok.load_encoder(path)
     except ImportError as exc:
-        raise ValueError(f"decoding a BPE run needs the hf extra (pip install 'attention-residuals[hf]'): {exc}") from exc
+        raise ValueError(
+            f"decoding a BPE run needs the hf extra (pip install 'attention-residuals[hf]'): {exc}"
+        ) from exc
     return hook.encode, hook.decode
 
 
@@ -118,15 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="run directory written by `attnres train`")
     p.add_argument("--prompt", default="", help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=50,
-                   help="sample among the k most likely tokens, k >= 0; 0 = all tokens (default: 50)")
+    p.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: 0.8)"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample among the k most likely tokens, k >= 0; 0 = all tokens (default: 50)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (default: 1)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint file (default: RUN_DIR/checkpoint.safetensors)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder of a BPE run, when the one it records has moved (default: the folder "
-                        "the run was trained with; none for byte-level runs)")
+    p.add_argument(
+        "--checkpoint", default=None, help="checkpoint file (default: RUN_DIR/checkpoint.safetensors)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder of a BPE run, when the one it records has moved (default: the folder "
+        "the run was trained with; none for byte-level runs)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--json", action="store_true", help="print a JSON list of strings")
     return p
@@ -135,18 +157,27 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value, low, note in (("--max-new-tokens", args.max_new_tokens, 0, ""),
-                                   ("--temperature", args.temperature, 0, " (0 = greedy)"),
-                                   ("--top-k", args.top_k, 0, " (0 = all tokens)"),
-                                   ("--num-samples", args.num_samples, 1, "")):
+    for flag, value, low, note in (
+        ("--max-new-tokens", args.max_new_tokens, 0, ""),
+        ("--temperature", args.temperature, 0, " (0 = greedy)"),
+        ("--top-k", args.top_k, 0, " (0 = all tokens)"),
+        ("--num-samples", args.num_samples, 1, ""),
+    ):
         if value < low:
             parser.error(f"{flag}: expected >= {low}{note}, got {value}")
     try:
         model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=args.device)
         encode, decode = run_codec(info["record"], args.tokenizer)
         texts = generate_text(
-            model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples, encode=encode, decode=decode,
+            model,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            num_samples=args.num_samples,
+            encode=encode,
+            decode=decode,
         )
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"attnres sample: error: {e}", file=sys.stderr)

@@ -113,7 +113,11 @@ def byte_tokenizer():
 
 def _byte_alphabet() -> list[str]:
     """The printable character ByteLevel maps each byte to (GPT-2's table), indexed by byte."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -165,8 +169,12 @@ def load_encoder(path: str | os.PathLike) -> TokenizerHook:
         return backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     return TokenizerHook(
-        path=str(Path(path).resolve()), encode=encode, decode=decode, vocab_size=len(tok),
-        tokenizer_id=tokenizer_id(path), eos_token_id=tok.eos_token_id,
+        path=str(Path(path).resolve()),
+        encode=encode,
+        decode=decode,
+        vocab_size=len(tok),
+        tokenizer_id=tokenizer_id(path),
+        eos_token_id=tok.eos_token_id,
     )
 
 
@@ -192,8 +200,12 @@ def load_tokenized_corpus(
             f"({hook.vocab_size}): leave --vocab-size out to take the tokenizer's, or give at least that"
         )
     corpus = d.load_corpus(
-        data, encode=hook.encode, vocab_size=vocab, tokenizer_id=hook.tokenizer_id,
-        val_fraction=d.DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction, cache_dir=cache_dir,
+        data,
+        encode=hook.encode,
+        vocab_size=vocab,
+        tokenizer_id=hook.tokenizer_id,
+        val_fraction=d.DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction,
+        cache_dir=cache_dir,
     )
     return corpus, hook
 
@@ -233,7 +245,9 @@ def _train_command(args: argparse.Namespace) -> int:
     texts = list(corpus_texts(args.data, val_fraction=args.val_fraction))
     if not any(texts):
         raise ValueError(f"--data {args.data!r}: no text to train on")
-    tok = train_bpe(texts, args.vocab_size, min_frequency=args.min_frequency, special_tokens=args.special_tokens)
+    tok = train_bpe(
+        texts, args.vocab_size, min_frequency=args.min_frequency, special_tokens=args.special_tokens
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out))
@@ -253,8 +267,10 @@ def _train_command(args: argparse.Namespace) -> int:
     sample = texts[0][:2000] if texts else ""
     n = len(tok.encode(sample, add_special_tokens=False)) if sample else 0
     ratio = f", {len(sample.encode()) / n:.2f} bytes/token on a sample" if n else ""
-    print(f"wrote {out} (vocab {len(tok)}{ratio}); use it with: attnres train --tokenizer {out}"
-          f" (the model takes its vocabulary size, {len(tok)})")
+    print(
+        f"wrote {out} (vocab {len(tok)}{ratio}); use it with: attnres train --tokenizer {out}"
+        f" (the model takes its vocabulary size, {len(tok)})"
+    )
     return 0
 
 
@@ -263,7 +279,9 @@ def _default_val_fraction() -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attnres tokenizer", description="Byte-level BPE tokenizers (HF format).")
+    p = argparse.ArgumentParser(
+        prog="attnres tokenizer", description="Byte-level BPE tokenizers (HF format)."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
@@ -272,11 +290,19 @@ def build_parser() -> argparse.ArgumentParser:
         "in the Hugging Face format (AutoTokenizer.from_pretrained(OUT) loads it).",
     )
     t.add_argument("--out", required=True, help="output folder (tokenizer.json, tokenizer_config.json)")
-    t.add_argument("--data", default=None, help="text file, folder or glob (default: the standard library's .py files)")
+    t.add_argument(
+        "--data", default=None, help="text file, folder or glob (default: the standard library's .py files)"
+    )
     t.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help=f"default {DEFAULT_VOCAB_SIZE}")
-    t.add_argument("--min-frequency", type=int, default=2, help="merge only pairs seen this often (default 2)")
-    t.add_argument("--val-fraction", type=float, default=None,
-                   help="held-out fraction, as in attnres train (default: the data module's)")
+    t.add_argument(
+        "--min-frequency", type=int, default=2, help="merge only pairs seen this often (default 2)"
+    )
+    t.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="held-out fraction, as in attnres train (default: the data module's)",
+    )
     t.add_argument("--special-tokens", nargs="*", default=[EOT], help=f"default: {EOT}")
     return p
 

@@ -36,8 +36,20 @@ def corpus():
 
 def tiny(out, **kw):
     base = dict(
-        n_layer=2, n_head=2, d_model=32, seq_len=32, batch_size=8, steps=20, warmup=2, lr=3e-3, min_lr=3e-4,
-        eval_interval=10, eval_batches=2, log_interval=5, progress=False, out=str(out),
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        seq_len=32,
+        batch_size=8,
+        steps=20,
+        warmup=2,
+        lr=3e-3,
+        min_lr=3e-4,
+        eval_interval=10,
+        eval_batches=2,
+        log_interval=5,
+        progress=False,
+        out=str(out),
     )
     base.update(kw)
     return make_config(**base)
@@ -74,9 +86,15 @@ def test_run_dir_layout_and_metrics(tmp_path, corpus):
     assert [r["step"] for r in rows] == [0, 5, 10, 15, 20]
     for r in rows:
         assert {"step", "train_loss", "val_loss", "lr", "tokens", "tokens_per_s", "wall_s"} <= set(r)
-    assert rows[-1]["tokens"] == 20 * 8 * 32 and rows[2]["val_loss"] is not None and rows[1]["val_loss"] is None
+    assert (
+        rows[-1]["tokens"] == 20 * 8 * 32 and rows[2]["val_loss"] is not None and rows[1]["val_loss"] is None
+    )
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
-    assert cfg["model"]["d_model"] == 32 and cfg["train"]["steps"] == 20 and cfg["data"]["sha256"] == corpus.sha256
+    assert (
+        cfg["model"]["d_model"] == 32
+        and cfg["train"]["steps"] == 20
+        and cfg["data"]["sha256"] == corpus.sha256
+    )
     assert cfg["command"].startswith("attnres train ") and "--d-model 32" in cfg["command"]
     assert s["done"] and is_done(tmp_path / "r") and s["params"] > 0 and s["tokens_per_s"] > 0
     assert read_checkpoint(tmp_path / "r" / "checkpoint.safetensors")[1]["step"] == 20
@@ -110,8 +128,10 @@ def test_resume_of_a_run_recorded_with_flat_rule_options(tmp_path, corpus):
     record = json.loads(path.read_text())
     model = dict(record["model"])
     rule = model.pop("residual")
-    flat = {"residual": rule.pop("rule"), **{("heads" if k == "depth_heads" else k): v for k, v in rule.items()
-                                             if k != "key_norm_gain"}}
+    flat = {
+        "residual": rule.pop("rule"),
+        **{("heads" if k == "depth_heads" else k): v for k, v in rule.items() if k != "key_norm_gain"},
+    }
     record["model"] = {**model, **flat}
     path.write_text(json.dumps(record))
     again = train(tiny(tmp_path / "old", resume=True, **kw), corpus=corpus)
@@ -182,7 +202,9 @@ def test_config_routing_roundtrip_and_command_line(tmp_path):
     assert "--residual block" in cmd and "--n-blocks 4" in cmd and "--steps 7" in cmd and "--out" in cmd
     parsed = config_from_args(cmd.split()[2:])
     assert parsed.identity() == cfg.identity()
-    parsed = config_from_args(["--residual", "full", "--no-key-norm", "--block-size", "none", "--stop-at", "3"])
+    parsed = config_from_args(
+        ["--residual", "full", "--no-key-norm", "--block-size", "none", "--stop-at", "3"]
+    )
     assert parsed.model.residual == ResidualConfig("full", key_norm=False) and parsed.stop_at == 3
 
 
@@ -217,7 +239,9 @@ def test_config_file_flat_or_sections_and_its_errors(tmp_path, capsys):
     cfg = config_from_args(["--config", str(flat), "--steps", "9"])
     assert cfg.model.d_model == 48 and cfg.model.n_layer == 3 and cfg.steps == 9  # flags override the file
     run_like = tmp_path / "run.json"
-    run_like.write_text(json.dumps({"format": 1, **make_config(d_model=40).to_dict(), "data": {}, "command": "x"}))
+    run_like.write_text(
+        json.dumps({"format": 1, **make_config(d_model=40).to_dict(), "data": {}, "command": "x"})
+    )
     assert config_from_args(["--config", str(run_like)]).model.d_model == 40
     cases = [
         ("missing.json", None, "no such file"),
@@ -256,25 +280,38 @@ def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
     work.mkdir()
     (work / "corpus.txt").write_text(TEXT)
     monkeypatch.chdir(work)
-    cfg = tiny("run", steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache"))
+    cfg = tiny(
+        "run", steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache")
+    )
     train(cfg)
     record = json.loads((work / "run" / "config.json").read_text())
     assert record["train"]["data"] == str(work / "corpus.txt")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["eval", str(work / "run"), "--cache-dir", str(tmp_path / "cache")]) == 0
     assert json.loads(capsys.readouterr().out)["corpus_matches_run"] is True
-    done = train(tiny(work / "run", steps=6, eval_interval=3, data=str(work / "corpus.txt"), resume=True,
-                      cache_dir=str(tmp_path / "cache")))
+    done = train(
+        tiny(
+            work / "run",
+            steps=6,
+            eval_interval=3,
+            data=str(work / "corpus.txt"),
+            resume=True,
+            cache_dir=str(tmp_path / "cache"),
+        )
+    )
     assert done["done"]
     # a run recorded with a relative path (before paths were made absolute) resumes from its folder
     old = tmp_path / "old"
     monkeypatch.chdir(work)
-    train(tiny(old, steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache")))
+    train(
+        tiny(old, steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache"))
+    )
     record = json.loads((old / "config.json").read_text())
     record["train"]["data"] = "corpus.txt"
     (old / "config.json").write_text(json.dumps(record))
-    assert train(tiny(old, steps=6, eval_interval=3, data="corpus.txt", resume=True,
-                      cache_dir=str(tmp_path / "cache")))["done"]
+    assert train(
+        tiny(old, steps=6, eval_interval=3, data="corpus.txt", resume=True, cache_dir=str(tmp_path / "cache"))
+    )["done"]
 
 
 def test_eval_batch_arguments_are_checked(tmp_path, corpus, capsys):
@@ -313,7 +350,9 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, corpus, mon
     again = train(tiny(tmp_path / "twice", resume=True, **kw), corpus=corpus)
     assert again["done"] and not again["interrupted"]
     a, b = read_metrics(tmp_path / "once"), read_metrics(tmp_path / "twice")
-    assert [(r["step"], r["train_loss"], r["val_loss"]) for r in a] == [(r["step"], r["train_loss"], r["val_loss"]) for r in b]
+    assert [(r["step"], r["train_loss"], r["val_loss"]) for r in a] == [
+        (r["step"], r["train_loss"], r["val_loss"]) for r in b
+    ]
 
 
 # --------------------------------------------------------------------------- flat options over nested configs
@@ -323,8 +362,9 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint(tmp_path, corpus, mon
 class _Rule:
     """A made-up nested, frozen sub-config (as GPTConfig.residual will be): its rule is ``--residual``."""
 
-    rule: str = field(default="plain", metadata={"help": "mixing rule", "choices": ("plain", "block"),
-                                                 "flag": "--residual"})
+    rule: str = field(
+        default="plain", metadata={"help": "mixing rule", "choices": ("plain", "block"), "flag": "--residual"}
+    )
     n_blocks: int | None = field(default=None, metadata={"help": "number of blocks"})
     key_norm: bool = field(default=True, metadata={"help": "normalise the keys"})
 
@@ -353,20 +393,27 @@ def test_nested_dataclasses_get_flat_flags_and_are_rebuilt():
     from attention_residuals.training.config import check_field_types, flat_fields, flat_values, replace_flat
 
     assert [(ff.name, ff.path) for ff in flat_fields(_Outer)] == [
-        ("width", ("model", "width")), ("residual", ("model", "residual", "rule")),
-        ("n_blocks", ("model", "residual", "n_blocks")), ("key_norm", ("model", "residual", "key_norm")),
-        ("steps", ("steps",)), ("resume", ("resume",)),
+        ("width", ("model", "width")),
+        ("residual", ("model", "residual", "rule")),
+        ("n_blocks", ("model", "residual", "n_blocks")),
+        ("key_norm", ("model", "residual", "key_norm")),
+        ("steps", ("steps",)),
+        ("resume", ("resume",)),
     ]
     p = argparse.ArgumentParser()
     add_flags(p, _Outer)
     assert vars(p.parse_args([])) == {}  # only the flags given
     assert "--residual {plain,block}" in p.format_help() and "--no-key-norm" in p.format_help()
-    ns = vars(p.parse_args(["--residual", "block", "--n-blocks", "4", "--no-key-norm", "--steps", "3", "--resume"]))
+    ns = vars(
+        p.parse_args(["--residual", "block", "--n-blocks", "4", "--no-key-norm", "--steps", "3", "--resume"])
+    )
     cfg = replace_flat(_Outer(), **ns)
     want = _Outer(model=_Net(residual=_Rule("block", 4, False)), steps=3, resume=True)
     assert cfg == want and flat_values(cfg)["residual"] == "block"
     assert replace_flat(_Outer(), **vars(p.parse_args(to_flags(cfg)))) == cfg  # to_flags is the inverse
-    assert to_flags(_Outer()) == [] and to_flags(_Outer(), always=("resume",)) == []  # an off switch has no flag
+    assert (
+        to_flags(_Outer()) == [] and to_flags(_Outer(), always=("resume",)) == []
+    )  # an off switch has no flag
     with pytest.raises(SystemExit):
         p.parse_args(["--residual", "nope"])
     # a nested value given whole, then leaves on it; unknown names and wrong types are refused

@@ -16,9 +16,17 @@ N_LAYERS = 3  # L = 6 sublayers
 
 def tiny_llama() -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # greedy runs never stop early
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,  # greedy runs never stop early
     )
     return LlamaForCausalLM(config).eval()
 
@@ -28,7 +36,9 @@ def idx():
     return torch.randint(0, 64, (2, 11))
 
 
-def depth_mean_logits(model: LlamaForCausalLM, idx: torch.Tensor, mode: str, block_size: int = 1) -> torch.Tensor:
+def depth_mean_logits(
+    model: LlamaForCausalLM, idx: torch.Tensor, mode: str, block_size: int = 1
+) -> torch.Tensor:
     """The depth-mean model written out by hand from the Llama's own modules.
 
     Every sublayer reads the plain mean of its sources (Full: the embedding and every earlier
@@ -75,13 +85,20 @@ def test_prenorm_patch_rebuilds_the_original_model(idx):
 
 @pytest.mark.parametrize(
     "mode,kwargs,size",
-    [("block", {"block_size": 2}, 2), ("block", {"block_size": 4}, 4), ("block", {"n_blocks": 3}, 2), ("full", {}, 1)],
+    [
+        ("block", {"block_size": 2}, 2),
+        ("block", {"block_size": 4}, 4),
+        ("block", {"n_blocks": 3}, 2),
+        ("full", {}, 1),
+    ],
 )
 def test_patched_llama_at_init_is_the_depth_mean_model(idx, mode, kwargs, size):
     model = tiny_llama()
     apply_attnres(model, mode, **kwargs)
     queries = model.model.attnres.queries
-    assert queries.shape == (2 * N_LAYERS + 1, 32) and not queries.any()  # zero-init, one per sublayer + final
+    assert (
+        queries.shape == (2 * N_LAYERS + 1, 32) and not queries.any()
+    )  # zero-init, one per sublayer + final
     with torch.no_grad():
         got = model(idx).logits
         expected = depth_mean_logits(model, idx, mode, size)
@@ -129,7 +146,9 @@ def test_patch_options_dtype_and_state_dict(idx):
     conn = model.model.attnres
     assert conn.queries.dtype == torch.float64
     assert {k for k in model.state_dict() if "attnres" in k} == {
-        "model.attnres.queries", "model.attnres.query_down", "model.attnres.query_up",
+        "model.attnres.queries",
+        "model.attnres.query_down",
+        "model.attnres.query_up",
     }
     # a second model patched the same way loads the state dict (how a trained patch is reloaded)
     other = apply_attnres(tiny_llama().to(torch.float64), "full", query="lowrank", query_rank=4)

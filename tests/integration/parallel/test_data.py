@@ -14,9 +14,23 @@ TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in r
 
 
 def tiny(out, **kw):
-    base = dict(n_layer=2, n_head=2, d_model=32, seq_len=16, batch_size=4, grad_accum=2, steps=6, warmup=1,
-                eval_interval=3, eval_batches=2, log_interval=1, progress=False, residual="block", block_size=2,
-                out=str(out))
+    base = dict(
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        seq_len=16,
+        batch_size=4,
+        grad_accum=2,
+        steps=6,
+        warmup=1,
+        eval_interval=3,
+        eval_batches=2,
+        log_interval=1,
+        progress=False,
+        residual="block",
+        block_size=2,
+        out=str(out),
+    )
     base.update(kw)
     return make_config(**base)
 
@@ -84,9 +98,37 @@ def test_attnres_train_detects_the_launcher(tmp_path, single):
     data = tmp_path / "corpus.txt"
     data.write_text(TEXT)
     out = tmp_path / "cli"
-    argv = ["--data", str(data), "--out", str(out), "--n-layer", "2", "--n-head", "2", "--d-model", "32",
-            "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--warmup", "1", "--eval-interval", "2", "--eval-batches", "1",
-            "--residual", "block", "--block-size", "2", "--no-progress", "--cache-dir", str(tmp_path / "cache")]
+    argv = [
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-batches",
+        "1",
+        "--residual",
+        "block",
+        "--block-size",
+        "2",
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     assert spawn(_cli, 2, argv, timeout_s=120, launcher=True) == [0, 0]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["done"] and summary["world_size"] == 2

@@ -318,7 +318,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path):
         pytest.skip("this triton wheel has no NVIDIA backend with ptxas and cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "triton_aot.py")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "scripts", "triton_aot.py")
     json_path = tmp_path / "aot.json"
     proc = subprocess.run(
         [sys.executable, script, "--arch", "90", "--quick", "--json", str(json_path)],

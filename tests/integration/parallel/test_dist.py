@@ -82,7 +82,9 @@ def _disagree(rank, world):
 
 
 def test_check_consistent_names_each_rank():
-    with pytest.raises(DistributedError, match=r"ranks disagree on model config: rank 0: \{'n_layer': 2\}, rank 1"):
+    with pytest.raises(
+        DistributedError, match=r"ranks disagree on model config: rank 0: \{'n_layer': 2\}, rank 1"
+    ):
         spawn(_disagree, 2, timeout_s=30)
 
 

@@ -11,8 +11,27 @@ import pytest
 from attention_residuals import cli, commands
 
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--batch-size", "2", "--steps", "6",
-    "--warmup", "1", "--eval-interval", "3", "--eval-batches", "1", "--log-interval", "3", "--no-progress",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--d-model",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--steps",
+    "6",
+    "--warmup",
+    "1",
+    "--eval-interval",
+    "3",
+    "--eval-batches",
+    "1",
+    "--log-interval",
+    "3",
+    "--no-progress",
 ]
 
 
@@ -27,17 +46,25 @@ def text_file(tmp_path_factory):
 def run_dir(tmp_path_factory, text_file):
     root = tmp_path_factory.mktemp("run")
     out = root / "r"
-    rc = cli.main(["train", *TINY, "--data", str(text_file), "--cache-dir", str(root / "cache"), "--out", str(out)])
+    rc = cli.main(
+        ["train", *TINY, "--data", str(text_file), "--cache-dir", str(root / "cache"), "--out", str(out)]
+    )
     assert rc == 0
     return out
 
 
-@pytest.mark.parametrize("command,flags", [
-    ("train", ["--residual", "--block-size", "--n-blocks", "--resume", "--stop-at", "--data", "--optimizer"]),
-    ("eval", ["run_dir", "--batches", "--split"]),
-    ("sample", ["--prompt", "--max-new-tokens", "--temperature", "--top-k", "--seed"]),
-    ("demo", ["--out", "--report", "--steps"]),
-])
+@pytest.mark.parametrize(
+    "command,flags",
+    [
+        (
+            "train",
+            ["--residual", "--block-size", "--n-blocks", "--resume", "--stop-at", "--data", "--optimizer"],
+        ),
+        ("eval", ["run_dir", "--batches", "--split"]),
+        ("sample", ["--prompt", "--max-new-tokens", "--temperature", "--top-k", "--seed"]),
+        ("demo", ["--out", "--report", "--steps"]),
+    ],
+)
 def test_help(capsys, command, flags):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
@@ -49,7 +76,9 @@ def test_help(capsys, command, flags):
 
 
 def test_python_dash_m_train_help():
-    r = subprocess.run([sys.executable, "-m", "attention_residuals.train", "--help"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "attention_residuals.train", "--help"], capture_output=True, text=True
+    )
     assert r.returncode == 0 and "--residual" in r.stdout
 
 
@@ -60,7 +89,9 @@ def test_train_data_errors(tmp_path, capsys):
     binary.write_bytes(b"\x00\x01\x02" * 100)
     cases = [(tmp_path / "missing.txt", "no such file"), (empty, "empty"), (binary, "not text")]
     for path, words in cases:
-        rc = cli.main(["train", *TINY, "--data", str(path), "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path)])
+        rc = cli.main(
+            ["train", *TINY, "--data", str(path), "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path)]
+        )
         err = capsys.readouterr().err
         assert rc == 2 and "--data" in err and words in err, err
     assert not (tmp_path / "o").exists()
@@ -76,7 +107,15 @@ def test_train_bad_residual_and_block_size(tmp_path, capsys):
 
 
 def test_resume_with_other_config_and_rerun_errors(run_dir, text_file, capsys):
-    common = [*TINY, "--data", str(text_file), "--cache-dir", str(run_dir.parent / "cache"), "--out", str(run_dir)]
+    common = [
+        *TINY,
+        "--data",
+        str(text_file),
+        "--cache-dir",
+        str(run_dir.parent / "cache"),
+        "--out",
+        str(run_dir),
+    ]
     rc = cli.main(["train", *common, "--resume", "--d-model", "32", "--seed", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "model.d_model" in err and "train.seed" in err
@@ -92,10 +131,20 @@ def test_eval_and_sample(run_dir, capsys):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert result["step"] == 6 and result["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-6)
     assert result["corpus_matches_run"] is True
-    assert cli.main(["sample", str(run_dir), "--prompt", "print", "--max-new-tokens", "40", "--seed", "1", "--json"]) == 0
+    assert (
+        cli.main(
+            ["sample", str(run_dir), "--prompt", "print", "--max-new-tokens", "40", "--seed", "1", "--json"]
+        )
+        == 0
+    )
     (a,) = json.loads(capsys.readouterr().out)
     assert a.startswith("print") and len(a.encode("utf-8", errors="surrogatepass")) >= 5
-    assert cli.main(["sample", str(run_dir), "--prompt", "print", "--max-new-tokens", "40", "--seed", "1", "--json"]) == 0
+    assert (
+        cli.main(
+            ["sample", str(run_dir), "--prompt", "print", "--max-new-tokens", "40", "--seed", "1", "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out) == [a]  # same seed, same sample
     # longer than the context: generation slides
     assert cli.main(["sample", str(run_dir), "--max-new-tokens", "50", "--temperature", "0", "--json"]) == 0
@@ -135,8 +184,12 @@ def test_top_level_help_lists_the_subcommand_tables(capsys):
     assert ", ".join(experiments.SUBCOMMANDS) in lines["experiment"] and "shape" in lines["experiment"]
     assert ", ".join(bench.SUBCOMMANDS) in lines["bench"]
     # a help given as a function is made when shown; a missing table falls back instead of failing
-    assert commands.usage_text("p", {"x": ("m", commands.listing("attention_residuals", "NO_SUCH_TABLE", "things ({})"))}) \
-        .splitlines()[3] == "  x  things (...)"
+    assert (
+        commands.usage_text(
+            "p", {"x": ("m", commands.listing("attention_residuals", "NO_SUCH_TABLE", "things ({})"))}
+        ).splitlines()[3]
+        == "  x  things (...)"
+    )
 
 
 def test_sample_top_k_message_matches_help(run_dir, capsys):
@@ -166,14 +219,38 @@ def test_sample_decodes_a_bpe_run_with_its_tokenizer(tmp_path, text_file, capsys
 
     tok_dir, other_dir = tmp_path / "tok", tmp_path / "other"
     train_bpe([text_file.read_text()], vocab_size=300, min_frequency=2).save_pretrained(tok_dir)
-    train_bpe([text_file.read_text()[:2000] + "xyz" * 50], vocab_size=290, min_frequency=2).save_pretrained(other_dir)
+    train_bpe([text_file.read_text()[:2000] + "xyz" * 50], vocab_size=290, min_frequency=2).save_pretrained(
+        other_dir
+    )
     hook = load_encoder(tok_dir)
     run = tmp_path / "run"
-    args = ["train", *TINY, "--tokenizer", str(tok_dir), "--vocab-size", str(hook.vocab_size), "--data",
-            str(text_file), "--cache-dir", str(tmp_path / "cache"), "--out", str(run)]
+    args = [
+        "train",
+        *TINY,
+        "--tokenizer",
+        str(tok_dir),
+        "--vocab-size",
+        str(hook.vocab_size),
+        "--data",
+        str(text_file),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(run),
+    ]
     assert cli.main(args) == 0
     capsys.readouterr()
-    sample = ["sample", str(run), "--prompt", "print('hello", "--max-new-tokens", "12", "--seed", "3", "--json"]
+    sample = [
+        "sample",
+        str(run),
+        "--prompt",
+        "print('hello",
+        "--max-new-tokens",
+        "12",
+        "--seed",
+        "3",
+        "--json",
+    ]
     assert cli.main(sample) == 0
     (text,) = json.loads(capsys.readouterr().out)
     assert text.startswith("print('hello") and len(text) > len("print('hello")

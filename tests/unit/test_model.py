@@ -96,7 +96,10 @@ def test_mhc_lite_matches_its_formula_per_token():
     with torch.no_grad():
         conn.proj.normal_(std=0.3)
         conn.bias.normal_()
-    emb, outs = torch.randn(2, 4, d, dtype=torch.float64), [torch.randn(2, 4, d, dtype=torch.float64) for _ in range(L)]
+    emb, outs = (
+        torch.randn(2, 4, d, dtype=torch.float64),
+        [torch.randn(2, 4, d, dtype=torch.float64) for _ in range(L)],
+    )
     state = conn.init_state(emb)
     got = []
     for l in range(L):
@@ -108,7 +111,9 @@ def test_mhc_lite_matches_its_formula_per_token():
         H = emb[b, t].expand(m, d).clone()  # streams [m, d] of this token
         for l in range(L):
             flat = H.flatten()
-            coef = (flat / flat.pow(2).mean().add(1e-6).sqrt()) @ conn.proj[l].detach() + conn.bias[l].detach()
+            coef = (flat / flat.pow(2).mean().add(1e-6).sqrt()) @ conn.proj[l].detach() + conn.bias[
+                l
+            ].detach()
             pre, post = torch.sigmoid(coef[:m]), 2 * torch.sigmoid(coef[m : 2 * m])
             mix = torch.softmax(coef[2 * m :].float(), 0).double()  # the mix softmax runs in float32
             A = sum(w * P for w, P in zip(mix, perms))
@@ -128,18 +133,31 @@ def test_rules_that_start_as_prenorm(residual, idx):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(residual="full"), dict(residual="full", block_size=4), dict(residual="block", block_size=2),
-     dict(residual="block", block_size=4), dict(residual="block", block_size=6), dict(residual="block", n_blocks=2),
-     dict(residual="block", block_size=2, depth_heads=4), dict(residual="full", key_norm=False),
-     dict(residual="block", block_size=2, intra_gate=True)],
+    [
+        dict(residual="full"),
+        dict(residual="full", block_size=4),
+        dict(residual="block", block_size=2),
+        dict(residual="block", block_size=4),
+        dict(residual="block", block_size=6),
+        dict(residual="block", n_blocks=2),
+        dict(residual="block", block_size=2, depth_heads=4),
+        dict(residual="full", key_norm=False),
+        dict(residual="block", block_size=2, intra_gate=True),
+    ],
 )
 def test_two_phase_equals_plain(kw, idx):
     model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
     torch.testing.assert_close(model(idx, schedule="two_phase"), model(idx), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2),
-                                dict(residual="block", block_size=3, depth_heads=2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(residual="full", block_size=4),
+        dict(residual="block", block_size=2),
+        dict(residual="block", block_size=3, depth_heads=2),
+    ],
+)
 def test_two_phase_gradients_equal_plain(kw, idx):
     """Training through the two-phase schedule: every parameter's gradient as the plain schedule's."""
     model = randomize_depth_params(GPT(tiny(**kw)), scale=1.0)
@@ -155,8 +173,12 @@ def test_two_phase_gradients_equal_plain(kw, idx):
 
 @pytest.mark.parametrize("backend", ["compiled", "triton"])
 @pytest.mark.parametrize(
-    "kw", [dict(residual="full", block_size=4), dict(residual="block", block_size=2, depth_heads=4),
-           dict(residual="block", block_size=4, key_norm=False)]
+    "kw",
+    [
+        dict(residual="full", block_size=4),
+        dict(residual="block", block_size=2, depth_heads=4),
+        dict(residual="block", block_size=4, key_norm=False),
+    ],
 )
 def test_two_phase_inference_kernels_equal_plain(kw, backend, idx):
     """Without autograd the two-phase schedule runs the forward-only phase-1 / merge kernels."""
@@ -172,8 +194,15 @@ def test_two_phase_inference_kernels_equal_plain(kw, backend, idx):
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(residual="block", query="input"), dict(residual="block", query="lowrank"), dict(residual="full", normalize="sigmoid"),
-           dict(residual="prenorm"), dict(residual="swa"), dict(residual="mhc")]
+    "kw",
+    [
+        dict(residual="block", query="input"),
+        dict(residual="block", query="lowrank"),
+        dict(residual="full", normalize="sigmoid"),
+        dict(residual="prenorm"),
+        dict(residual="swa"),
+        dict(residual="mhc"),
+    ],
 )
 def test_two_phase_needs_static_softmax_queries(kw, idx):
     with pytest.raises(ValueError, match="two_phase"):
@@ -198,7 +227,11 @@ def test_cached_decoding_equals_recomputation(residual):
     # and the cached logits themselves match a full forward
     cache = model.new_cache(2)
     seq = cached[:, :20]
-    hidden = torch.cat([model._run(seq[:, :9], cache=cache)[0]] + [model._run(seq[:, t:t + 1], cache=cache)[0] for t in range(9, 20)], 1)
+    hidden = torch.cat(
+        [model._run(seq[:, :9], cache=cache)[0]]
+        + [model._run(seq[:, t : t + 1], cache=cache)[0] for t in range(9, 20)],
+        1,
+    )
     torch.testing.assert_close(model.lm_head(hidden), model(seq), rtol=1e-4, atol=1e-4)
 
 
@@ -216,7 +249,7 @@ def test_depth_weights_rows_and_nan(idx):
     L = 6
     assert w.shape == (L + 1, L + 1)
     for l in range(L + 1):
-        assert torch.isfinite(w[l, : l + 1]).all() and torch.isnan(w[l, l + 1:]).all()
+        assert torch.isfinite(w[l, : l + 1]).all() and torch.isnan(w[l, l + 1 :]).all()
         torch.testing.assert_close(w[l, : l + 1].sum(), torch.tensor(1.0))
     block = GPT(tiny("block", block_size=4)).eval()  # zero queries -> uniform over sources
     wb = block.depth_weights(idx)
@@ -228,29 +261,43 @@ def test_depth_weights_rows_and_nan(idx):
 
 @pytest.mark.parametrize(
     "kw,match",
-    [(dict(residual="nope"), "residual"), (dict(residual="block", block_size=7), "block_size"),
-     (dict(residual="block", n_blocks=0), "n_blocks"), (dict(residual="block", block_size=2, n_blocks=2), "n_blocks"),
-     (dict(residual="block", n_blocks=4), r"n_blocks: 4 blocks do not fit L=6 .* fit: \[1, 2, 3, 6\]"),
-     (dict(d_model=30), "n_head"), (dict(residual="full", depth_heads=5), "depth_heads"), (dict(residual="full", query="x"), "query"),
-     (dict(n_layer=0), "n_layer"), (dict(residual="full", intra_gate=True), "intra_gate"),
-     (dict(residual="block", query="lowrank", query_rank=0), "query_rank"),
-     (dict(mlp_hidden=-4), "mlp_hidden: expected a positive integer, or None"),
-     (dict(mlp_hidden=0), "mlp_hidden: expected a positive integer, or None"),
-     (dict(init_std=-1), "init_std: expected a finite number > 0"), (dict(init_std=0.0), "init_std"),
-     (dict(norm_eps=0.0), "norm_eps: expected a finite number > 0"), (dict(norm_eps=-1e-6), "norm_eps"),
-     (dict(rope_theta=0.0), "rope_theta: expected a finite number > 0"), (dict(rope_theta=-1e4), "rope_theta"),
-     (dict(rope_theta=float("nan")), "rope_theta"), (dict(norm_eps=float("inf")), "norm_eps"),
-     # options a rule would silently ignore
-     (dict(n_blocks=3), r"n_blocks: only used by residual in \('full', 'block'\).*residual='prenorm'"),
-     (dict(block_size=2), r"block_size: .*residual='prenorm'"),
-     (dict(query="input"), r"query: .*residual='prenorm'"), (dict(depth_heads=2), r"depth_heads: .*residual='prenorm'"),
-     (dict(normalize="sigmoid"), "normalize"), (dict(key_norm=False), "key_norm"),
-     (dict(window=4), r"window: only used by residual in \('swa',\).*residual='prenorm'"),
-     (dict(streams=2), r"streams: .*residual='prenorm'"), (dict(residual="mhc", window=3), r"window: .*residual='mhc'"),
-     (dict(residual="swa", block_size=2), r"block_size: .*residual='swa'"),
-     (dict(residual="denseformer", depth_heads=2), r"depth_heads: .*residual='denseformer'"),
-     (dict(residual="swa", intra_gate=True), "intra_gate"),
-     (dict(residual="full", query_rank=4), r"query_rank: only used with query='lowrank'.*query='static'")],
+    [
+        (dict(residual="nope"), "residual"),
+        (dict(residual="block", block_size=7), "block_size"),
+        (dict(residual="block", n_blocks=0), "n_blocks"),
+        (dict(residual="block", block_size=2, n_blocks=2), "n_blocks"),
+        (dict(residual="block", n_blocks=4), r"n_blocks: 4 blocks do not fit L=6 .* fit: \[1, 2, 3, 6\]"),
+        (dict(d_model=30), "n_head"),
+        (dict(residual="full", depth_heads=5), "depth_heads"),
+        (dict(residual="full", query="x"), "query"),
+        (dict(n_layer=0), "n_layer"),
+        (dict(residual="full", intra_gate=True), "intra_gate"),
+        (dict(residual="block", query="lowrank", query_rank=0), "query_rank"),
+        (dict(mlp_hidden=-4), "mlp_hidden: expected a positive integer, or None"),
+        (dict(mlp_hidden=0), "mlp_hidden: expected a positive integer, or None"),
+        (dict(init_std=-1), "init_std: expected a finite number > 0"),
+        (dict(init_std=0.0), "init_std"),
+        (dict(norm_eps=0.0), "norm_eps: expected a finite number > 0"),
+        (dict(norm_eps=-1e-6), "norm_eps"),
+        (dict(rope_theta=0.0), "rope_theta: expected a finite number > 0"),
+        (dict(rope_theta=-1e4), "rope_theta"),
+        (dict(rope_theta=float("nan")), "rope_theta"),
+        (dict(norm_eps=float("inf")), "norm_eps"),
+        # options a rule would silently ignore
+        (dict(n_blocks=3), r"n_blocks: only used by residual in \('full', 'block'\).*residual='prenorm'"),
+        (dict(block_size=2), r"block_size: .*residual='prenorm'"),
+        (dict(query="input"), r"query: .*residual='prenorm'"),
+        (dict(depth_heads=2), r"depth_heads: .*residual='prenorm'"),
+        (dict(normalize="sigmoid"), "normalize"),
+        (dict(key_norm=False), "key_norm"),
+        (dict(window=4), r"window: only used by residual in \('swa',\).*residual='prenorm'"),
+        (dict(streams=2), r"streams: .*residual='prenorm'"),
+        (dict(residual="mhc", window=3), r"window: .*residual='mhc'"),
+        (dict(residual="swa", block_size=2), r"block_size: .*residual='swa'"),
+        (dict(residual="denseformer", depth_heads=2), r"depth_heads: .*residual='denseformer'"),
+        (dict(residual="swa", intra_gate=True), "intra_gate"),
+        (dict(residual="full", query_rank=4), r"query_rank: only used with query='lowrank'.*query='static'"),
+    ],
 )
 def test_bad_config(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -275,8 +322,14 @@ def test_mlp_hidden_none_is_the_default_width():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(residual="full", block_size=2), dict(residual="full", n_blocks=3), dict(residual="swa", window=2, depth_heads=2),
-           dict(residual="mhc", streams=2), dict(residual="block", query="lowrank", query_rank=4)]
+    "kw",
+    [
+        dict(residual="full", block_size=2),
+        dict(residual="full", n_blocks=3),
+        dict(residual="swa", window=2, depth_heads=2),
+        dict(residual="mhc", streams=2),
+        dict(residual="block", query="lowrank", query_rank=4),
+    ],
 )
 def test_rule_options_accepted_where_used(kw):
     GPT(tiny(**kw))
@@ -295,12 +348,14 @@ def test_make_connection_rejects_options_its_rule_ignores():
 
 @pytest.mark.parametrize(
     "bad,match",
-    [(torch.full((1, 4), 300), r"idx: token ids must be in 0..vocab_size-1=63, got ids in 300..300"),
-     (torch.tensor([[1, -1, 2]]), r"idx: token ids must be in 0..vocab_size-1=63, got ids in -1..2"),
-     (torch.full((1, 4), 64, dtype=torch.int32), "idx: token ids"),
-     (torch.zeros(1, 0, dtype=torch.long), r"idx: expected at least one .* got shape \(1, 0\)"),
-     (torch.zeros(0, 4, dtype=torch.long), r"idx: expected at least one .* got shape \(0, 4\)"),
-     (torch.zeros(4, dtype=torch.long), r"idx: expected integer token ids of shape \[B, T\]")],
+    [
+        (torch.full((1, 4), 300), r"idx: token ids must be in 0..vocab_size-1=63, got ids in 300..300"),
+        (torch.tensor([[1, -1, 2]]), r"idx: token ids must be in 0..vocab_size-1=63, got ids in -1..2"),
+        (torch.full((1, 4), 64, dtype=torch.int32), "idx: token ids"),
+        (torch.zeros(1, 0, dtype=torch.long), r"idx: expected at least one .* got shape \(1, 0\)"),
+        (torch.zeros(0, 4, dtype=torch.long), r"idx: expected at least one .* got shape \(0, 4\)"),
+        (torch.zeros(4, dtype=torch.long), r"idx: expected integer token ids of shape \[B, T\]"),
+    ],
 )
 def test_bad_idx_values(bad, match):
     model = GPT(tiny())
@@ -341,10 +396,15 @@ def test_config_round_trip():
 @pytest.mark.parametrize(
     "kw",
     [dict(residual=r) for r in RESIDUALS]
-    + [dict(residual="full", query="input"), dict(residual="block", normalize="sigmoid", block_size=2),
-       dict(residual="block", depth_heads=4, block_size=2), dict(residual="full", key_norm=False),
-       dict(residual="block", key_norm=False, block_size=2), dict(residual="block", query="lowrank", query_rank=4),
-       dict(residual="block", intra_gate=True, block_size=2)],
+    + [
+        dict(residual="full", query="input"),
+        dict(residual="block", normalize="sigmoid", block_size=2),
+        dict(residual="block", depth_heads=4, block_size=2),
+        dict(residual="full", key_norm=False),
+        dict(residual="block", key_norm=False, block_size=2),
+        dict(residual="block", query="lowrank", query_rank=4),
+        dict(residual="block", intra_gate=True, block_size=2),
+    ],
 )
 def test_every_rule_learns(kw):
     """Loss falls on a tiny repetitive corpus within 50 steps (each ablation row must train)."""
@@ -355,8 +415,8 @@ def test_every_rule_learns(kw):
     losses = []
     for _step in range(50):
         starts = torch.randint(0, len(text) - 33, (8,))
-        x = torch.stack([text[s:s + 32] for s in starts])
-        y = torch.stack([text[s + 1:s + 33] for s in starts])
+        x = torch.stack([text[s : s + 32] for s in starts])
+        y = torch.stack([text[s + 1 : s + 33] for s in starts])
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()

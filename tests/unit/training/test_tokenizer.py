@@ -21,7 +21,20 @@ from attention_residuals.training.tokenizer import (  # noqa: E402
     train_bpe,
 )
 
-WORDS = ["value", "count", "name", "index", "total", "result", "buffer", "item", "key", "size", "text", "node"]
+WORDS = [
+    "value",
+    "count",
+    "name",
+    "index",
+    "total",
+    "result",
+    "buffer",
+    "item",
+    "key",
+    "size",
+    "text",
+    "node",
+]
 CODE = "".join(
     f"def {WORDS[i % 12]}_{WORDS[i * 5 % 12]}_{i}({WORDS[i * 7 % 12]}):\n"
     f"    return {WORDS[i * 7 % 12]} * {i} + len('héllo {WORDS[i % 5]}')\n\n"
@@ -126,10 +139,24 @@ def test_tokenized_corpus_feeds_training(tmp_path, saved):
     decoded = hook.decode(corpus.train.tolist()) + hook.decode(corpus.val.tolist())
     assert decoded == CODE
     with pytest.raises(ValueError, match="vocab-size"):
-        load_tokenized_corpus(saved, str(text_file), vocab_size=hook.vocab_size - 1, cache_dir=tmp_path / "cache")
+        load_tokenized_corpus(
+            saved, str(text_file), vocab_size=hook.vocab_size - 1, cache_dir=tmp_path / "cache"
+        )
     cfg = make_config(
-        vocab_size=corpus.vocab_size, n_layer=1, n_head=2, d_model=16, seq_len=16, residual="block", batch_size=2,
-        steps=2, warmup=1, eval_interval=2, eval_batches=1, log_interval=1, progress=False, out=str(tmp_path / "run"),
+        vocab_size=corpus.vocab_size,
+        n_layer=1,
+        n_head=2,
+        d_model=16,
+        seq_len=16,
+        residual="block",
+        batch_size=2,
+        steps=2,
+        warmup=1,
+        eval_interval=2,
+        eval_batches=1,
+        log_interval=1,
+        progress=False,
+        out=str(tmp_path / "run"),
         tokenizer=str(saved),
     )
     summary = train(cfg, corpus=corpus)
@@ -151,10 +178,36 @@ def test_train_command_takes_tokenizer(tmp_path, saved, capsys):
     text_file = tmp_path / "code.py"
     text_file.write_text(CODE)
     vocab = len(AutoTokenizer.from_pretrained(saved))
-    args = ["train", "--tokenizer", str(saved), "--data", str(text_file),
-            "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--seq-len", "16", "--batch-size", "2",
-            "--steps", "2", "--warmup", "1", "--eval-interval", "2", "--eval-batches", "1",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run"), "--no-progress"]
+    args = [
+        "train",
+        "--tokenizer",
+        str(saved),
+        "--data",
+        str(text_file),
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--d-model",
+        "16",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-batches",
+        "1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert cli.main(args) == 0
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     assert record["train"]["tokenizer"] == str(saved) and record["data"]["tokenizer"] == tokenizer_id(saved)

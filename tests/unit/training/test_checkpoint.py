@@ -49,13 +49,21 @@ def _states_equal(a, b):
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b, strict=True))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_states_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
     return a == b
 
 
 def test_flatten_roundtrip_keeps_types():
-    state = {0: {"step": torch.tensor(3.0), "buf": torch.ones(2, 2)}, "groups": [{"betas": (0.9, 0.95), "lr": 1e-3,
-             "foreach": None, "inf": float("inf")}], "arr": np.arange(5, dtype=np.uint32), "dtype": torch.bfloat16}
+    state = {
+        0: {"step": torch.tensor(3.0), "buf": torch.ones(2, 2)},
+        "groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "foreach": None, "inf": float("inf")}],
+        "arr": np.arange(5, dtype=np.uint32),
+        "dtype": torch.bfloat16,
+    }
     structure, tensors = flatten_state(state)
     json.dumps(structure)  # JSON-able
     back = unflatten_state(json.loads(json.dumps(structure)), tensors)
@@ -72,7 +80,9 @@ def test_roundtrip_model_optimizer_scheduler_rng(tmp_path, optimizer):
     torch.manual_seed(123)
     np.random.seed(5)
     random.seed(7)
-    save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=3, config={"a": 1}, extra={"tokens": 48})
+    save_checkpoint(
+        path, model=model, optimizer=opt, scheduler=sched, step=3, config={"a": 1}, extra={"tokens": 48}
+    )
     expect = (torch.rand(3), np.random.rand(), random.random())
     model2, opt2, sched2 = _trained(optimizer, seed=99)  # different weights and state
     info = load_checkpoint(path, model=model2, optimizer=opt2, scheduler=sched2)

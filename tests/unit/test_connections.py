@@ -11,7 +11,7 @@ import torch
 from attention_residuals import GPT, RULES, GPTConfig, ResidualConfig, make_connection
 from attention_residuals.connections import BlockAttnRes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_names_every_rule_once():
@@ -35,14 +35,20 @@ def test_residual_config_is_frozen_and_checks_itself():
         ResidualConfig("full", normalize="relu")
     with pytest.raises(ValueError, match="key_norm_gain: .*key_norm=True"):
         ResidualConfig("full", key_norm=False, key_norm_gain=True)
-    with pytest.raises(ValueError, match=r"key_norm_gain: only used by residual in \('full', 'block', 'swa'\)"):
+    with pytest.raises(
+        ValueError, match=r"key_norm_gain: only used by residual in \('full', 'block', 'swa'\)"
+    ):
         ResidualConfig("mhc", key_norm_gain=True)
 
 
 def test_flat_and_nested_spellings_are_one_config():
-    nested = GPTConfig(d_model=32, n_layer=2, n_head=2, residual=ResidualConfig("block", n_blocks=2, depth_heads=2))
+    nested = GPTConfig(
+        d_model=32, n_layer=2, n_head=2, residual=ResidualConfig("block", n_blocks=2, depth_heads=2)
+    )
     flat = GPTConfig(d_model=32, n_layer=2, n_head=2, residual="block", n_blocks=2, depth_heads=2)
-    old = GPTConfig.from_dict({"d_model": 32, "n_layer": 2, "n_head": 2, "residual": "block", "n_blocks": 2, "heads": 2})
+    old = GPTConfig.from_dict(
+        {"d_model": 32, "n_layer": 2, "n_head": 2, "residual": "block", "n_blocks": 2, "heads": 2}
+    )
     assert nested == flat == old == GPTConfig.from_dict(nested.to_dict())
     assert nested.to_dict()["residual"]["rule"] == "block"
     with pytest.raises(TypeError, match="heads= is now depth_heads="):
@@ -66,8 +72,16 @@ def test_every_committed_run_config_loads():
 
 def test_key_norm_gain_is_a_query_gain_and_two_phase_stays_exact():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, n_layer=3, n_head=2, d_model=32, seq_len=16, residual="block", block_size=2,
-                    key_norm_gain=True)
+    cfg = GPTConfig(
+        vocab_size=64,
+        n_layer=3,
+        n_head=2,
+        d_model=32,
+        seq_len=16,
+        residual="block",
+        block_size=2,
+        key_norm_gain=True,
+    )
     model = GPT(cfg).double()
     res = model.residual
     assert isinstance(res, BlockAttnRes) and res.key_gain.shape == (7, 32)

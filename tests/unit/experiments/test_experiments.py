@@ -12,7 +12,7 @@ from attention_residuals.experiments import analyses, runner
 
 def test_fit_power_law_recovers_parameters():
     cs = [1e-3, 1e-2, 1e-1, 1.0]
-    a, alpha = ex.fit_power_law(cs, [1.9 * c ** -0.057 for c in cs])
+    a, alpha = ex.fit_power_law(cs, [1.9 * c**-0.057 for c in cs])
     assert math.isclose(a, 1.9, rel_tol=1e-9) and math.isclose(alpha, 0.057, rel_tol=1e-9)
     with pytest.raises(ValueError, match="compute"):
         ex.fit_power_law([1.0], [2.0])
@@ -36,8 +36,13 @@ def test_scaling_averages_the_seeds_of_a_point(tmp_path):
     assert budget.seeds >= 2 and set(counts.values()) == {budget.seeds}
     sizes = sorted({s.group for s in todo}, key=[s.group for s in todo].index)
     summaries = {
-        s.name: {"flops_per_token": 1e6 * 10 ** sizes.index(s.group), "tokens": 1e6, "params": 1,
-                 "final_val_loss": 2.0 * 0.9 ** sizes.index(s.group) + 0.01 * s.seed, "train_s": 1.0}
+        s.name: {
+            "flops_per_token": 1e6 * 10 ** sizes.index(s.group),
+            "tokens": 1e6,
+            "params": 1,
+            "final_val_loss": 2.0 * 0.9 ** sizes.index(s.group) + 0.01 * s.seed,
+            "train_s": 1.0,
+        }
         for s in todo
     }
     out = analyses._scaling(todo, summaries, tmp_path, budget, {})
@@ -46,15 +51,23 @@ def test_scaling_averages_the_seeds_of_a_point(tmp_path):
     assert first["prenorm"]["val_loss"] == pytest.approx(2.005)
     # the means lie on 0.005 + 2 * 0.9^i: the fit of the means, not of the first seed
     assert out["fits"]["prenorm"]["alpha"] != pytest.approx(-math.log(0.9) / math.log(10), rel=1e-6)
-    assert out["fits"]["prenorm"]["alpha"] == pytest.approx(ex.fit_power_law(*zip(*[
-        (r["compute_pfs_days"], r["val_loss"]) for r in out["rows"] if r["variant"] == "prenorm"]))[1])
+    assert out["fits"]["prenorm"]["alpha"] == pytest.approx(
+        ex.fit_power_law(
+            *zip(*[(r["compute_pfs_days"], r["val_loss"]) for r in out["rows"] if r["variant"] == "prenorm"])
+        )[1]
+    )
     assert "| 2 | 2.0000, 2.0100 |" in (tmp_path / "table.md").read_text()
 
 
 def test_specs_cover_the_report_tables():
     full = ex.BUDGETS["full"]
     scaling = ex.specs("scaling", full)
-    assert len({s.group for s in scaling}) >= 4 and {s.variant for s in scaling} == {"prenorm", "full", "block", "mhc"}
+    assert len({s.group for s in scaling}) >= 4 and {s.variant for s in scaling} == {
+        "prenorm",
+        "full",
+        "block",
+        "mhc",
+    }
     ablation = ex.specs("ablation", full)
     assert set(ex.REPORT_ABLATION) <= {s.variant for s in ablation}
     assert len({s.seed for s in ablation}) >= 2
@@ -76,8 +89,13 @@ def test_quick_pipeline_end_to_end(tmp_path):
         res = json.loads((tmp_path / name / "results.json").read_text())
         assert res["meta"]["budget"] == "quick" and len(res["meta"]["corpus_sha256"]) == 64
         assert (tmp_path / name / "table.md").read_text().count("|") > 10
-    for png in ("scaling/scaling.png", "blocksize/blocksize.png", "analysis/dynamics.png", "analysis/depth_weights.png",
-                "shape/shape.png"):
+    for png in (
+        "scaling/scaling.png",
+        "blocksize/blocksize.png",
+        "analysis/dynamics.png",
+        "analysis/depth_weights.png",
+        "shape/shape.png",
+    ):
         assert (tmp_path / png).stat().st_size > 1000
     scaling = json.loads((tmp_path / "scaling" / "results.json").read_text())
     assert set(scaling["fits"]) == {"prenorm", "full", "block", "mhc"}
@@ -103,8 +121,11 @@ def test_identical_runs_are_shared_between_experiments():
 def fake_training(monkeypatch, tmp_path):
     """Every run counts as finished (no training): run_experiment only tabulates, in seconds. Works
     from ``tmp_path`` so the default roots land there."""
-    monkeypatch.setattr(runner, "load_summary", lambda run_dir: {
-        "done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0})
+    monkeypatch.setattr(
+        runner,
+        "load_summary",
+        lambda run_dir: {"done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0},
+    )
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -160,7 +181,9 @@ def test_experiment_help_shows_defaults_and_every_experiment(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: quick)" in text and "quick: runs/experiments, full: results" in text
     assert "--force" in text
-    listed = {line.split()[0] for line in ex.build_parser().format_help().splitlines() if line.startswith("  ")}
+    listed = {
+        line.split()[0] for line in ex.build_parser().format_help().splitlines() if line.startswith("  ")
+    }
     assert set(ex.SUBCOMMANDS) <= listed  # the epilog lists each experiment with its line
     assert set(ex.EXPERIMENTS) | {"report"} == set(ex.SUBCOMMANDS)
     assert "Floor" not in text
@@ -173,8 +196,14 @@ def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, c
 
     def summary(run_dir):
         name = Path(run_dir).name
-        done = any(f"block_size-{v[1:]}" in name for v in finished) if "residual-block" in name else "prenorm" in finished
-        return {"done": done, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0} if done else None
+        done = (
+            any(f"block_size-{v[1:]}" in name for v in finished)
+            if "residual-block" in name
+            else "prenorm" in finished
+        )
+        return (
+            {"done": done, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0} if done else None
+        )
 
     monkeypatch.setattr(runner, "load_summary", summary)
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing should train here"))

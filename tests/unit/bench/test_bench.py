@@ -89,7 +89,12 @@ def test_io_per_layer_formulas():
 def test_bench_report_from_quick_runs(capsys, tmp_path):
     """`attnres bench report`: every JSON of the folder becomes a section with its tables and plots."""
     for name in ("op", "model", "memory"):
-        assert cli.main(["bench", name, "--quick", "--no-malloc-cache", "--json", str(tmp_path / f"{name}_q.json")]) == 0
+        assert (
+            cli.main(
+                ["bench", name, "--quick", "--no-malloc-cache", "--json", str(tmp_path / f"{name}_q.json")]
+            )
+            == 0
+        )
     capsys.readouterr()
     (tmp_path / "notes.json").write_text('{"not": "a bench"}')  # other JSON is left alone
     assert cli.main(["bench", "report", str(tmp_path)]) == 0

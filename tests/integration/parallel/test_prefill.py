@@ -18,7 +18,9 @@ def make_model(cfg):
 
 
 def make_idx(cfg, batch=2):
-    return torch.randint(0, cfg["vocab_size"], (batch, cfg["seq_len"]), generator=torch.Generator().manual_seed(1))
+    return torch.randint(
+        0, cfg["vocab_size"], (batch, cfg["seq_len"]), generator=torch.Generator().manual_seed(1)
+    )
 
 
 BASE = dict(vocab_size=64, n_layer=3, n_head=2, d_model=32, seq_len=24, residual="block", block_size=2)

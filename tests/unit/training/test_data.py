@@ -98,7 +98,9 @@ def test_custom_tokenizer_hook(tmp_path):
     assert c.train.dtype == np.uint16 and int(c.train[0]) == ord("a") + 200
     assert c.tokenizer == "shift200"
     with pytest.raises(ValueError, match="vocab_size"):
-        load_corpus(str(f), encode=enc, vocab_size=256, tokenizer_id="shift200-small", cache_dir=tmp_path / "c")
+        load_corpus(
+            str(f), encode=enc, vocab_size=256, tokenizer_id="shift200-small", cache_dir=tmp_path / "c"
+        )
     assert token_dtype(256) == np.uint8 and token_dtype(257) == np.uint16 and token_dtype(70000) == np.uint32
 
 

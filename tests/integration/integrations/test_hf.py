@@ -52,7 +52,9 @@ def test_config_aliases_and_validation(tmp_path):
     with pytest.raises(ValueError, match="residual"):
         AttnResConfig(residual="nope")
     # an export written before the residual config was nested (flat options, `heads`) still loads
-    old = AttnResConfig(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, residual="block", n_blocks=3, heads=2)
+    old = AttnResConfig(
+        hidden_size=48, num_hidden_layers=3, num_attention_heads=4, residual="block", n_blocks=3, heads=2
+    )
     assert old.to_gpt_config().residual == ResidualConfig("block", n_blocks=3, depth_heads=2)
     with pytest.raises(ValueError, match="contradicts"):
         AttnResConfig(hidden_size=32, d_model=64)
@@ -153,7 +155,12 @@ def test_padding_and_unsupported_inputs_are_rejected(idx):
 
 def make_run(run_dir, model: GPT, tokenizer=None):
     """A run directory as ``attnres train`` writes it (config.json + checkpoint.safetensors)."""
-    record = {"format": 1, "model": model.config.to_dict(), "train": {"steps": 1}, "data": {"tokenizer": "bytes"}}
+    record = {
+        "format": 1,
+        "model": model.config.to_dict(),
+        "train": {"steps": 1},
+        "data": {"tokenizer": "bytes"},
+    }
     if tokenizer is not None:
         record["train"]["tokenizer"] = str(tokenizer)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +193,9 @@ def test_export_hf_and_back_is_lossless(tmp_path, idx, capsys):
     record = json.loads((tmp_path / "run2" / "config.json").read_text())
     assert GPTConfig.from_dict(record["model"]) == ours.config
     original = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert record["train"] == original["train"] and record["data"] == original["data"]  # eval finds its corpus
+    assert (
+        record["train"] == original["train"] and record["data"] == original["data"]
+    )  # eval finds its corpus
 
 
 def test_export_hf_dtype_and_tokenizer(tmp_path, idx):
