@@ -1,7 +1,8 @@
 """Floor 2: fast implementations of the functional ops behind one dispatcher.
 
 Every backend computes exactly what :func:`attention_residuals.functional.depth_attention_reference`
-computes and is tested against it; :func:`depth_attention` picks one:
+computes and is tested against it; :func:`depth_attention` picks one from the registry
+(:data:`BACKENDS`, in this order):
 
 ``reference``  the plain formula of ``functional`` (autograd through every intermediate).
 ``fused``      :class:`~.autograd.DepthAttentionFunction` on eager torch ops: any device and
@@ -12,11 +13,23 @@ computes and is tested against it; :func:`depth_attention` picks one:
                too under ``TRITON_INTERPRET=1``, for tests).
 
 ``backend="auto"`` takes ``triton`` for CUDA tensors, ``compiled`` for CPU tensors, and ``fused``
-otherwise or when those are unavailable (no triton, no C compiler) or while ``torch.compile`` traces
-the call. ``normalize="sigmoid"`` always runs the reference formula. A forced backend that cannot
+otherwise or when those are unavailable (no triton, no C compiler). While ``torch.compile`` traces
+the call, only backends it can trace: ``compiled`` (the C kernel registered as the custom operators
+``attention_residuals::depth_attention_cpu`` and its backward, see :mod:`.cpu`) for CPU tensors,
+``fused`` otherwise; the two-phase ops run the functional formulas there. Tracing cannot build the C
+kernel, so there only its device and dtype are checked; where it cannot be built, the operator
+computes the eager formulas instead (``auto``) or raises (a forced ``backend="compiled"``). ``normalize="sigmoid"`` always runs the reference formula. A forced backend that cannot
 run raises ``RuntimeError`` saying why; :func:`backend_status` lists what can run and why not.
 ``with use_backend(name):`` changes what ``"auto"`` means inside a block (e.g. a whole model on
 the reference formula).
+
+Precision: every op and backend follows the contract of :mod:`attention_residuals.functional`.
+The dispatcher settles the activation dtype first (under autocast: the autocast dtype; otherwise
+the promoted dtype of the sources), chooses the backend for it, and casts any source of another
+dtype to it (a copy of that source; autograd takes its gradient back through the cast), so a
+backend always sees sources of one dtype; it runs the backend with autocast off. The query goes
+to float32 (float64 for float64 activations), the outputs come back in the activation dtype, the
+two-phase states in float32.
 
 ``sources`` may be one ``[N, *batch, d]`` tensor or a list of N ``[*batch, d]`` tensors: the
 ``compiled`` kernels read a list in place (a table of pointers), so a model need not stack its
@@ -25,19 +38,30 @@ sources -- a copy of all of them per layer, and in training one more saved for b
 Two-phase inference: :func:`depth_states_batched` (phase 1: Q static queries over the known
 sources, one read of them) and :func:`depth_attention_merged` (phase 2: merge the sources added
 since), forward-only kernels on the same backends, the functional formulas under autograd.
+
+The registry (``_REGISTRY`` below) is filled in one place at import time, cheaply: it holds, per
+backend, a function saying whether it can run on a (device, dtype) and one returning its kernels.
+Nothing is imported or built until a backend is first asked for: the C kernel's build and the
+``import triton`` happen then, once, and their outcome (the kernels or the reason) is cached.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..functional import (
     DepthState,
+    accumulation_dtype,
+    activation_dtype,
+    autocast_disabled,
     check_depth_inputs,
     check_source_list,
     depth_attention_reference,
@@ -48,41 +72,54 @@ from ..functional import (
 )
 from . import autograd as _autograd
 from . import cpu as _cpu
+from .autograd import Kernels
 
 __all__ = [
     "depth_attention",
     "depth_states_batched",
     "depth_attention_merged",
+    "Backend",
     "BACKENDS",
     "backend_status",
     "select_backend",
     "use_backend",
 ]
 
-BACKENDS = ("reference", "fused", "compiled", "triton")
+
+@dataclass(frozen=True)
+class Backend:
+    """One entry of the registry.
+
+    ``unavailable(device, dtype)``: None when the backend can run on tensors of that device and
+    (activation) dtype, else the reason; cheap after its first call (what is expensive -- a
+    build, an import -- is done once and cached by the function). ``kernels()``: the backend's
+    :class:`~.autograd.Kernels`, None for the reference formula; called only once ``unavailable``
+    said None. ``auto_devices``: the device types ``backend="auto"`` prefers it for.
+    """
+
+    name: str
+    unavailable: Callable[[torch.device, torch.dtype], str | None]
+    kernels: Callable[[], Kernels | None]
+    auto_devices: tuple[str, ...] = ()
+    #: whether ``auto`` may take it while ``torch.compile`` traces (its ops are traceable)
+    traceable: bool = False
+
+
+def _always(device: torch.device, dtype: torch.dtype) -> str | None:
+    return None
+
+
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_triton_error: list[str | None] = []  # memo of the lazy import: [None] ok, [msg] failed
 
 
-def _triton_import_error() -> str | None:
-    if not _triton_error:
-        try:
-            from . import triton_kernels
-
-            _autograd.register_backend("triton", *_autograd.stacking(triton_kernels.forward, triton_kernels.backward))
-            _triton_error.append(None)
-        except Exception as exc:  # ImportError, or a triton too old / broken
-            _triton_error.append(
-                f"triton is not importable ({type(exc).__name__}: {exc}); pip install triton"
-            )
-    return _triton_error[0]
-
-
-def _compiled_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    reason = _cpu.unavailable_reason(device, dtype)
-    if reason is None:
-        _autograd.register_backend("compiled", _cpu.forward, _cpu.backward)
-    return reason
+@functools.cache
+def _triton_import() -> tuple[types.ModuleType | None, str | None]:
+    """``(triton_kernels, None)``, or ``(None, why not)``: the lazy ``import triton``, done once."""
+    try:
+        from . import triton_kernels
+    except Exception as exc:  # ImportError, or a triton too old / broken
+        return None, f"triton is not importable ({type(exc).__name__}: {exc}); pip install triton"
+    return triton_kernels, None
 
 
 def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -90,27 +127,54 @@ def _triton_reason(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"the triton backend supports float32, bfloat16 and float16, got {dtype}"
     if device.type != "cuda" and not (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         return f"the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got device {device}"
-    return _triton_import_error()
+    return _triton_import()[1]
+
+
+@functools.cache
+def _triton_kernels() -> Kernels:
+    tk, reason = _triton_import()
+    if tk is None:
+        raise RuntimeError(f"backend='triton' is unavailable: {reason}")
+    fwd, bwd = _autograd.stacking(tk.forward, tk.backward)
+    return Kernels(
+        fwd,
+        bwd,
+        states=lambda qs, vs, *a: tk.states(qs, _autograd.stacked(vs), *a),
+        merge=lambda q, vs, *a: tk.merge(q, _autograd.stacked(vs), *a),
+    )
+
+
+_COMPILED = Kernels(_cpu.forward, _cpu.backward, _cpu.states, _cpu.merge)  # functions only: nothing is built here
+
+#: name -> backend, filled here and only here (read-only: a query never registers anything)
+_REGISTRY: types.MappingProxyType[str, Backend] = types.MappingProxyType(
+    {
+        b.name: b
+        for b in (
+            Backend("reference", _always, lambda: None, traceable=True),
+            Backend("fused", _always, lambda: _autograd.EAGER, traceable=True),
+            Backend("compiled", _cpu.unavailable_reason, lambda: _COMPILED, auto_devices=("cpu",), traceable=True),
+            Backend("triton", _triton_reason, _triton_kernels, auto_devices=("cuda",)),
+        )
+    }
+)
+BACKENDS = tuple(_REGISTRY)
 
 
 def backend_status(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> dict[str, str | None]:
-    """``{backend: None if it can run on (device, dtype) else the reason}``."""
+    """``{backend: None if it can run on (device, dtype) else the reason}`` (``dtype``: the
+    activation dtype, e.g. the autocast dtype under autocast)."""
     device = torch.device(device)
-    return {
-        "reference": None,
-        "fused": None,
-        "compiled": _compiled_reason(device, dtype),
-        "triton": _triton_reason(device, dtype),
-    }
+    return {name: b.unavailable(device, dtype) for name, b in _REGISTRY.items()}
 
 
 _override = threading.local()
 
 
 @contextlib.contextmanager
-def use_backend(backend: str):
+def use_backend(backend: str) -> Iterator[None]:
     """Within the block, ``backend="auto"`` calls run ``backend`` instead (this thread only).
 
     For models that call :func:`depth_attention` internally, e.g. to benchmark or debug a whole
@@ -126,26 +190,32 @@ def use_backend(backend: str):
         _override.backend = previous
 
 
-def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: str = "auto") -> str:
-    """The backend :func:`depth_attention` would run for these arguments (raises if forced and unavailable)."""
+def _requested(backend: str) -> str:
+    """``backend`` checked, with ``"auto"`` replaced by the :func:`use_backend` override if any."""
     if backend not in ("auto",) + BACKENDS:
         raise ValueError(f"backend: expected one of {('auto',) + BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = getattr(_override, "backend", None) or "auto"
+    return backend
+
+
+def _select(device: torch.device, dtype: torch.dtype, normalize: str, backend: str) -> str:
+    backend = _requested(backend)
     if normalize != "softmax" or backend == "reference":
         return "reference"
-    device, dtype = sources.device, sources.dtype
+    compiling = torch.compiler.is_compiling()
+
+    def unavailable(name: str) -> str | None:
+        if compiling and name == "compiled":  # tracing cannot build: the operator settles that when it runs
+            return _cpu.unsupported_reason(device, dtype)
+        return _REGISTRY[name].unavailable(device, dtype)
+
     if backend == "auto":
-        if torch.compiler.is_compiling():
-            return "fused"
-        if device.type == "cuda" and _triton_reason(device, dtype) is None:
-            return "triton"
-        if device.type == "cpu" and _compiled_reason(device, dtype) is None:
-            return "compiled"
+        for b in _REGISTRY.values():
+            if device.type in b.auto_devices and (b.traceable or not compiling) and unavailable(b.name) is None:
+                return b.name
         return "fused"
-    if backend == "fused":
-        return "fused"
-    reason = _compiled_reason(device, dtype) if backend == "compiled" else _triton_reason(device, dtype)
+    reason = unavailable(backend)
     if reason is not None:
         raise RuntimeError(f"backend={backend!r} is unavailable: {reason}")
     return backend
@@ -153,6 +223,14 @@ def select_backend(sources: torch.Tensor, normalize: str = "softmax", backend: s
 
 #: what the ops accept as sources: one ``[N, *batch, d]`` tensor or N ``[*batch, d]`` tensors
 Sources = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
+
+
+def select_backend(sources: Sources, normalize: str = "softmax", backend: str = "auto") -> str:
+    """The backend :func:`depth_attention` would run for these arguments (raises if forced and
+    unavailable), for the sources' device and :func:`~attention_residuals.functional.activation_dtype`
+    (their dtype; under autocast the autocast dtype)."""
+    first = sources if isinstance(sources, torch.Tensor) else sources[0]
+    return _select(first.device, activation_dtype(sources), normalize, backend)
 
 
 def _checked(query: torch.Tensor, sources: Sources, heads: int, eps: float) -> Sequence[torch.Tensor]:
@@ -171,9 +249,10 @@ def _checked(query: torch.Tensor, sources: Sources, heads: int, eps: float) -> S
     return srcs
 
 
-def _flat(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+def _flat(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The sources as N contiguous ``[M, d]`` tensors in ``dtype``, without autograd (forward-only kernels)."""
     d = sources[0].shape[-1]
-    return [s.detach().reshape(-1, d).contiguous() for s in sources]
+    return [s.detach().to(dtype).reshape(-1, d).contiguous() for s in sources]
 
 
 def depth_attention(
@@ -188,32 +267,50 @@ def depth_attention(
 ) -> torch.Tensor:
     """Softmax attention over depth: ``sum_i softmax_i(query . RMSNorm(sources_i)) sources_i``.
 
-    ``sources``: ``[N, *batch, d]`` (the depth axis first) or a list of N ``[*batch, d]`` tensors;
-    ``query``: ``[d]`` (a static pseudo-query) or broadcastable to ``[*batch, d]``
-    (input-dependent). Softmax over the sources in float32; the output ``[*batch, d]`` has the
-    dtype of the sources. A zero query gives the mean of the sources. ``heads=H`` splits d into H
-    groups with a softmax each; ``key_norm=False`` uses the raw sources as keys;
-    ``normalize="sigmoid"`` gates each source independently. ``backend``: ``"auto"`` or one of
-    :data:`BACKENDS` (see the module docstring). ``eps``: the keys' RMSNorm epsilon, a finite
-    number ``>= 0``; ``0`` is the exact RMSNorm (NaN for a source that is all zeros), a negative
-    ``eps`` is rejected (see :func:`~attention_residuals.functional.check_eps`).
+    ``sources``: ``[N, *batch, d]`` (the depth axis first) or a list of N ``[*batch, d]`` tensors
+    (their dtypes may differ); ``query``: ``[d]`` (a static pseudo-query) or broadcastable to
+    ``[*batch, d]`` (input-dependent). Logits, softmax and weighted sum in float32; the output
+    ``[*batch, d]`` is in the activation dtype (the sources' promoted dtype, or under autocast the
+    autocast dtype: see :mod:`attention_residuals.functional`). A zero query gives the mean of the
+    sources. ``heads=H`` splits d into H groups with a softmax each; ``key_norm=False`` uses the
+    raw sources as keys; ``normalize="sigmoid"`` gates each source independently. ``backend``:
+    ``"auto"`` or one of :data:`BACKENDS` (see the module docstring). ``eps``: the keys' RMSNorm
+    epsilon, a finite number ``>= 0``; ``0`` is the exact RMSNorm (NaN for a source that is all
+    zeros), a negative ``eps`` is rejected (see :func:`~attention_residuals.functional.check_eps`).
     """
     srcs = _checked(query, sources, heads, eps)
     if normalize not in ("softmax", "sigmoid"):
         raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
-    name = select_backend(srcs[0], normalize, backend)
+    act = activation_dtype(srcs)
+    device = srcs[0].device
+    name = _select(device, act, normalize, backend)
     if name == "reference":
         return depth_attention_reference(
-            query, stack_sources(sources), eps, heads=heads, key_norm=key_norm, normalize=normalize
+            query, stack_sources(sources, act), eps, heads=heads, key_norm=key_norm, normalize=normalize
         )
     batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
     one_tensor = isinstance(sources, torch.Tensor)
-    vs = [sources.reshape(len(srcs), -1, d)] if one_tensor else [s.reshape(-1, d) for s in srcs]
+    # the cast to the activation dtype: a no-op for the sources already in it
+    vs = [sources.to(act).reshape(len(srcs), -1, d)] if one_tensor else [s.to(act).reshape(-1, d) for s in srcs]
     if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
         q = query.reshape(d)
     else:
         q = query.expand(*batch, d).reshape(-1, d)
-    out = _autograd.DepthAttentionFunction.apply(q, float(eps), int(heads), bool(key_norm), name, one_tensor, *vs)
+    if name == "compiled" and torch.compiler.is_compiling():
+        # inside torch.compile: the C kernel as a custom operator (autograd by register_autograd)
+        flat = list(vs[0].unbind(0)) if one_tensor else vs
+        q = q.to(accumulation_dtype(act)).contiguous()
+        strict = _requested(backend) == "compiled"  # forced: raise if the kernel cannot be built; auto: eager math
+        with autocast_disabled(device.type):
+            out, _ = _cpu.depth_attention_op(
+                q, [v.contiguous() for v in flat], float(eps), int(heads), bool(key_norm), strict
+            )
+        return out.reshape(*batch, d)
+    kernels = _REGISTRY[name].kernels()
+    with autocast_disabled(device.type):
+        out = _autograd.DepthAttentionFunction.apply(
+            q, float(eps), int(heads), bool(key_norm), kernels, one_tensor, *vs
+        )
     return out.reshape(*batch, d)
 
 
@@ -221,21 +318,13 @@ def depth_attention(
 # two-phase inference: forward-only kernels (autograd falls back to the functional formulas)
 
 
-def _two_phase_impl(source: torch.Tensor, backend: str, needs_grad: bool):
-    """``(states, merge)`` kernels on lists of ``[M, d]`` sources for a two-phase step, or None
-    for the functional formulas."""
-    name = select_backend(source, "softmax", backend)
-    if needs_grad or name in ("reference", "fused"):
+def _two_phase_kernels(device: torch.device, dtype: torch.dtype, backend: str, needs_grad: bool) -> Kernels | None:
+    """The backend's kernels when it has two-phase ones and no graph is needed, else None (the
+    functional formulas run; also inside torch.compile, which cannot trace the kernels' calls)."""
+    kernels = _REGISTRY[_select(device, dtype, "softmax", backend)].kernels()
+    if needs_grad or kernels is None or kernels.states is None or torch.compiler.is_compiling():
         return None
-    if name == "compiled":
-        return _cpu.states, _cpu.merge
-    _triton_import_error()
-    from . import triton_kernels
-
-    return (
-        lambda qs, vs, *a: triton_kernels.states(qs, _autograd.stacked(vs), *a),
-        lambda q, vs, *a: triton_kernels.merge(q, _autograd.stacked(vs), *a),
-    )
+    return kernels
 
 
 def depth_states_batched(
@@ -251,21 +340,25 @@ def depth_states_batched(
     ``sources`` (``[N, *batch, d]`` or a list of N ``[*batch, d]``), reading the sources once.
 
     Same states as :func:`attention_residuals.functional.depth_state_batched` (``max`` is returned
-    as the log-sum-exp and ``sum`` as 1, an equivalent state). The ``compiled`` and ``triton``
-    kernels are forward-only: when autograd needs a graph, the functional formula runs instead.
+    as the log-sum-exp and ``sum`` as 1, an equivalent state): statistics and ``out``
+    (``[Q, *batch, H]``, ``[Q, *batch, d]``) in float32, the activation dtype recorded for
+    :meth:`DepthState.output`. The ``compiled`` and ``triton`` kernels are forward-only: when
+    autograd needs a graph, the functional formula runs instead.
     """
     if queries.ndim != 2:
         raise ValueError(f"queries: expected shape [Q, d], got {tuple(queries.shape)}")
     srcs = _checked(queries[0], sources, heads, eps)
+    act = activation_dtype(srcs)
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or any(s.requires_grad for s in srcs))
-    impl = _two_phase_impl(srcs[0], backend, needs_grad)
-    if impl is None:
-        return depth_state_batched(queries, stack_sources(sources), eps, heads=heads, key_norm=key_norm)
+    kernels = _two_phase_kernels(srcs[0].device, act, backend, needs_grad)
+    if kernels is None:
+        return depth_state_batched(queries, stack_sources(sources, act), eps, heads=heads, key_norm=key_norm)
     batch, d, nq = srcs[0].shape[:-1], srcs[0].shape[-1], queries.shape[0]
-    qs = queries.detach().to(_autograd.acc_dtype(srcs[0].dtype)).contiguous()
-    lse, out = impl[0](qs, _flat(srcs), float(eps), heads, key_norm)
+    qs = queries.detach().to(accumulation_dtype(act)).contiguous()
+    with autocast_disabled(srcs[0].device.type):
+        lse, out = kernels.states(qs, _flat(srcs, act), float(eps), heads, key_norm)
     lse = lse.reshape(nq, *batch, heads)
-    return DepthState(lse, torch.ones_like(lse), out.reshape(nq, *batch, d))
+    return DepthState(lse, torch.ones_like(lse), out.reshape(nq, *batch, d), act)
 
 
 def depth_attention_merged(
@@ -280,31 +373,34 @@ def depth_attention_merged(
 ) -> torch.Tensor:
     """Phase 2 of two-phase inference: ``state`` (of ``query`` over earlier sources) merged with
     ``query`` over ``sources`` (``[R, *batch, d]`` or a list of R ``[*batch, d]``) by online softmax;
-    returns the output ``[*batch, d]`` in the sources' dtype. Equals
-    ``merge_states(state, depth_state(query, sources)).output(dtype)`` in one pass (forward-only
+    returns the output ``[*batch, d]`` in the activation dtype of all the sources (those of
+    ``state``, as ``state.dtype`` records, and these; under autocast the autocast dtype). Equals
+    ``merge_states(state, depth_state(query, sources)).output()`` in one pass (forward-only
     kernels; the functional formulas when autograd needs a graph or the query is not static)."""
     srcs = _checked(query, sources, heads, eps)
+    act = activation_dtype(srcs, () if state.dtype is None else (state.dtype,))
     tensors = (query, state.max, state.sum, state.out, *srcs)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     static = query.shape[:-1].numel() == 1
-    impl = _two_phase_impl(srcs[0], backend, needs_grad) if static else None
-    if impl is None:
-        intra = depth_state(query, stack_sources(sources), eps, heads=heads, key_norm=key_norm)
-        return merge_states(state, intra).output(srcs[0].dtype)
+    kernels = _two_phase_kernels(srcs[0].device, act, backend, needs_grad) if static else None
+    if kernels is None:
+        intra = depth_state(query, stack_sources(sources, act), eps, heads=heads, key_norm=key_norm)
+        return merge_states(state, intra).output(act)
     batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
-    acc = _autograd.acc_dtype(srcs[0].dtype)
+    acc = accumulation_dtype(act)
 
     def flat(t: torch.Tensor, last: int) -> torch.Tensor:
         return t.detach().to(acc).expand(*batch, last).reshape(-1, last).contiguous()
 
-    out = impl[1](
-        query.detach().to(acc).reshape(d).contiguous(),
-        _flat(srcs),
-        flat(state.max, heads),
-        flat(state.sum, heads),
-        flat(state.out, d),
-        float(eps),
-        heads,
-        key_norm,
-    )
+    with autocast_disabled(srcs[0].device.type):
+        out = kernels.merge(
+            query.detach().to(acc).reshape(d).contiguous(),
+            _flat(srcs, act),
+            flat(state.max, heads),
+            flat(state.sum, heads),
+            flat(state.out, d),
+            float(eps),
+            heads,
+            key_norm,
+        )
     return out.reshape(*batch, d)

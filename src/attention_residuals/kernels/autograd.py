@@ -1,7 +1,8 @@
 """The fused depth-attention ``torch.autograd.Function`` and its eager (pure torch) backend.
 
 One Function serves every fused backend (``fused`` = eager torch ops, ``compiled`` = the C kernel,
-``triton`` = the GPU kernels); a backend is a pair of functions on flattened, contiguous tensors::
+``triton`` = the GPU kernels); a backend is a :class:`Kernels` record of functions on flattened,
+contiguous tensors::
 
     forward(q, vs, eps, heads, key_norm) -> (out [M, d] in the sources' dtype, lse [M, H] in acc dtype)
     backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv, one_buffer)
@@ -15,6 +16,12 @@ backward: the sources themselves (already alive as the model's activations), the
 ``lse`` -- one float32 scalar per token and head. Keys, logits and weights are recomputed.
 Backends written for one ``[N, M, d]`` tensor are wrapped by :func:`stacking`.
 
+Precision (the contract of :mod:`attention_residuals.functional`): the dispatcher hands every
+backend sources of one dtype, the activation dtype (it casts the others first). A backend reads
+them in that dtype, computes the logits, ``lse``, the weighted sum and every gradient in the
+accumulation dtype, and rounds once: ``out`` and ``dv_i`` to the sources' dtype. The Function runs
+its backward with autocast off for the sources' device (the forward is already called so).
+
 Gradient, per token and head (``dh`` channels), with ``r_i = rsqrt(mean(v_i^2) + eps)``,
 ``z_i = r_i q.v_i``, ``alpha_i = exp(z_i - lse)``, ``s_i = g.v_i``, ``delta = sum_i alpha_i s_i``::
 
@@ -25,15 +32,25 @@ Gradient, per token and head (``dh`` channels), with ``r_i = rsqrt(mean(v_i^2) +
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DepthAttentionFunction", "eager_forward", "eager_backward", "acc_dtype", "register_backend", "stacked", "stacking"]
+from ..functional import accumulation_dtype as acc_dtype
+from ..functional import autocast_disabled
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half types and float32, float64 kept."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = [
+    "DepthAttentionFunction",
+    "Kernels",
+    "EAGER",
+    "eager_forward",
+    "eager_backward",
+    "acc_dtype",
+    "stacked",
+    "stacking",
+]
 
 
 def _heads_view(v: torch.Tensor, q: torch.Tensor, heads: int):
@@ -128,43 +145,56 @@ def stacking(forward, backward):
     return fwd, bwd
 
 
-_BACKENDS: dict[str, tuple] = {"fused": stacking(eager_forward, eager_backward)}
+@dataclass(frozen=True)
+class Kernels:
+    """The functions of one fused backend (signatures in the module docstring).
+
+    ``states`` / ``merge``: the forward-only two-phase kernels on lists of ``[M, d]`` sources
+    (``states(qs, vs, eps, heads, key_norm) -> (lse [Q, M, H], out [Q, M, d])`` and
+    ``merge(q, vs, st_max, st_sum, st_out, eps, heads, key_norm) -> [M, d]``), None when the
+    backend has none (the functional formulas run instead).
+    """
+
+    forward: Callable
+    backward: Callable
+    states: Callable | None = None
+    merge: Callable | None = None
 
 
-def register_backend(name: str, forward, backward) -> None:
-    _BACKENDS[name] = (forward, backward)
+#: the ``fused`` backend: eager torch ops, any device and dtype
+EAGER = Kernels(*stacking(eager_forward, eager_backward))
 
 
 class DepthAttentionFunction(torch.autograd.Function):
-    """``apply(query, eps, heads, key_norm, backend, one_tensor, *sources)``.
+    """``apply(query, eps, heads, key_norm, kernels, one_tensor, *sources)``.
 
-    ``query``: ``[d]`` or ``[M, d]``; ``sources``: N tensors ``[M, d]``, or with ``one_tensor`` a
-    single ``[N, M, d]`` tensor (a stacked input: its gradient is then written as one tensor, not N
-    that autograd would have to stack, a copy of all of them) -> ``[M, d]``. Validation and the
-    flattening of batch dims happen in the dispatcher.
+    ``query``: ``[d]`` or ``[M, d]``; ``kernels``: the backend's :class:`Kernels`; ``sources``: N
+    tensors ``[M, d]`` of one dtype, or with ``one_tensor`` a single ``[N, M, d]`` tensor (a
+    stacked input: its gradient is then written as one tensor, not N that autograd would have to
+    stack, a copy of all of them) -> ``[M, d]`` in the sources' dtype. Validation, the cast to the
+    activation dtype and the flattening of batch dims happen in the dispatcher.
     """
 
     @staticmethod
-    def forward(ctx, query, eps, heads, key_norm, backend, one_tensor, *sources):
-        fwd, _ = _BACKENDS[backend]
+    def forward(ctx, query, eps, heads, key_norm, kernels, one_tensor, *sources):
         q = query.detach().to(acc_dtype(sources[0].dtype)).contiguous()
         saved = [v.detach().contiguous() for v in sources]
         vs = list(saved[0].unbind(0)) if one_tensor else saved
-        out, lse = fwd(q, vs, eps, heads, key_norm)
+        out, lse = kernels.forward(q, vs, eps, heads, key_norm)
         ctx.save_for_backward(q, lse, *saved)
-        ctx.config = (eps, heads, key_norm, backend, query.dtype, one_tensor)
+        ctx.config = (eps, heads, key_norm, kernels, query.dtype, one_tensor)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         q, lse, *saved = ctx.saved_tensors
-        eps, heads, key_norm, backend, q_dtype, one_tensor = ctx.config
-        _, bwd = _BACKENDS[backend]
+        eps, heads, key_norm, kernels, q_dtype, one_tensor = ctx.config
         vs = list(saved[0].unbind(0)) if one_tensor else saved
         need_dq, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[6:]
         g = grad_out.to(vs[0].dtype).contiguous()
-        dq, dvs = bwd(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v), one_tensor)
+        with autocast_disabled(q.device.type):
+            dq, dvs = kernels.backward(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v), one_tensor)
         if dvs is not None and one_tensor:
             dvs = [stacked(dvs)]
         dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(saved)

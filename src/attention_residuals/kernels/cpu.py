@@ -16,6 +16,16 @@ Supported: float32, bfloat16 (accumulated in float32) and float64 (accumulated i
 path can be gradchecked) on contiguous CPU tensors. The N sources are passed as a list of
 ``[M, d]`` tensors and reach the kernel as a table of N pointers, so they are read where they
 live (no stacked copy).
+
+Precision (the contract of :mod:`attention_residuals.functional`): one call reads sources of one
+dtype -- the activation dtype, to which the dispatcher has cast any source of another dtype (under
+autocast typically the float32 embedding: one ``[M, d]`` copy per call, saved for backward in
+training; none once the model keeps its sources in one dtype). The query, the logits, the
+running max / normaliser, ``lse`` and the accumulators are float32 (float64 for float64), the
+output and ``dv_i`` are rounded once to the sources' dtype (bfloat16: round to nearest even),
+``dq`` stays in the accumulation dtype. No float16 kernel: float16 runs on the ``fused`` path.
+
+Inside ``torch.compile`` the kernels run as the custom operators at the end of this file.
 """
 
 from __future__ import annotations
@@ -34,7 +44,10 @@ import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "unsupported_reason",
     "unavailable_reason",
+    "depth_attention_op",
+    "depth_attention_backward_op",
     "forward",
     "backward",
     "states",
@@ -181,12 +194,22 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
-    """None when the compiled backend can run on ``device``/``dtype``, else why not."""
+def unsupported_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """The part of :func:`unavailable_reason` that needs no build: device and dtype (traceable by
+    torch.compile, which checks only this and leaves the build to the operator, see below)."""
     if device is not None and torch.device(device).type != "cpu":
         return f"the compiled backend runs on CPU tensors, got device {device}"
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         return f"the compiled backend supports {sorted(str(t) for t in SUPPORTED_DTYPES)}, got {dtype}"
+    return None
+
+
+def unavailable_reason(device: torch.device | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """None when the compiled backend can run on ``device``/``dtype``, else why not (builds the
+    kernel on first call; the outcome is cached)."""
+    reason = unsupported_reason(device, dtype)
+    if reason is not None:
+        return reason
     if _load() is None:
         return f"the C kernel could not be built: {_state.get('error')}"
     return None
@@ -311,3 +334,81 @@ def merge(q, vs, st_max, st_sum, st_out, eps, heads, key_norm):
     if rc != 0:
         raise MemoryError("depth merge (compiled): out of memory in the C kernel")
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile: the forward and backward kernels as custom operators. Dynamo cannot trace a
+# ctypes call; as operators the graph calls them opaquely, their fake implementations give
+# inductor the output shapes, and register_autograd gives the gradient. Registering them is cheap
+# (nothing is built until an operator runs, and torch._dynamo is not imported). The dispatcher
+# uses them inside torch.compile only: in eager mode DepthAttentionFunction calls forward/backward
+# directly (a stacked input gets its gradient as one tensor there).
+#
+# Tracing cannot build the kernel (a subprocess, a lock, files), so the dispatcher checks only the
+# device and dtype then (:func:`unsupported_reason`) and the operator settles the build when it
+# runs: if the kernel cannot be built it computes the same thing with the eager formulas
+# (``strict=False``, what ``backend="auto"`` asks for) or raises RuntimeError (``strict=True``: a
+# forced ``backend="compiled"``).
+
+
+def _eager_fallback(strict: bool):
+    """None when the kernel is built, else the eager kernels to use instead (or raise if strict)."""
+    if _load() is not None:
+        return None
+    if strict:
+        raise RuntimeError(f"backend='compiled' is unavailable: the C kernel could not be built: {_state.get('error')}")
+    from .autograd import EAGER
+
+    return EAGER
+
+
+@torch.library.custom_op("attention_residuals::depth_attention_cpu", mutates_args=(), device_types="cpu")
+def depth_attention_op(
+    q: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key_norm: bool, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` as an operator: ``q`` [d] or [M, d] in the accumulation dtype, ``vs`` N
+    [M, d] of one supported dtype -> (out [M, d] in their dtype, lse [M, H] in q's dtype)."""
+    eager = _eager_fallback(strict)
+    fwd = forward if eager is None else eager.forward
+    return fwd(q.contiguous(), [v.contiguous() for v in vs], eps, heads, key_norm)
+
+
+@depth_attention_op.register_fake
+def _depth_attention_fake(q, vs, eps, heads, key_norm, strict):
+    m, d = vs[0].shape
+    return vs[0].new_empty((m, d)), q.new_empty((m, heads))
+
+
+@torch.library.custom_op("attention_residuals::depth_attention_cpu_backward", mutates_args=(), device_types="cpu")
+def depth_attention_backward_op(
+    q: torch.Tensor, vs: list[torch.Tensor], lse: torch.Tensor, g: torch.Tensor, eps: float, heads: int, key_norm: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`backward` as an operator: (dq like q, [dv_i like v_i]) given ``g = dL/dout`` [M, d]
+    (the eager formulas where the forward used them)."""
+    eager = _eager_fallback(False)
+    bwd = backward if eager is None else eager.backward
+    vs = [v.contiguous() for v in vs]
+    dq, dvs = bwd(q.contiguous(), vs, lse.contiguous(), g.contiguous(), eps, heads, key_norm)
+    if eager is not None:  # the eager dv_i are slices of one tensor: an operator's outputs may not alias
+        dvs = [dv.clone() for dv in dvs]
+    return dq, dvs
+
+
+@depth_attention_backward_op.register_fake
+def _depth_attention_backward_fake(q, vs, lse, g, eps, heads, key_norm):
+    return torch.empty_like(q), [torch.empty_like(v) for v in vs]
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    q, vs, eps, heads, key_norm, strict = inputs
+    ctx.save_for_backward(q, output[1], *vs)
+    ctx.config = (eps, heads, key_norm)
+
+
+def _op_backward(ctx, grad_out, grad_lse):
+    q, lse, *vs = ctx.saved_tensors
+    dq, dvs = depth_attention_backward_op(q, vs, lse, grad_out.to(vs[0].dtype), *ctx.config)
+    return dq, dvs, None, None, None, None
+
+
+depth_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)

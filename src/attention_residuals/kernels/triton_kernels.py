@@ -12,6 +12,11 @@ covered by ``BLOCK_D`` lanes (any ``dh``: masked loads).
 * Forward, larger ``dh``: pass 1 streams the channel chunks of each source for the logits
   (online ``m``, ``l``), pass 2 the weighted sum chunk by chunk; the logits ``[N, M, H]`` go
   through a float32 scratch buffer.
+* Precision (the contract of :mod:`attention_residuals.functional`): the sources arrive in one
+  dtype, the activation dtype (the dispatcher casts the others); every load is widened to float32,
+  logits, ``m``, ``l``, ``lse``, the accumulators and the scratch buffers are float32, and only the
+  stores of ``out`` and ``dv`` round to the sources' dtype (round to nearest on a GPU; the CPU
+  interpreter truncates float32 to bfloat16, one ulp at most).
 * Backward: pass 1 recomputes ``r_i``, ``z_i``, ``alpha_i = exp(z_i - lse)``, ``s_i = g . v_i`` and
   ``delta = sum_i alpha_i s_i`` (kept in a scratch buffer ``[4, N, M, H]``); pass 2 writes
   ``dv_i = alpha_i g + a_i q + b_i v_i`` and accumulates ``dq += a_i v_i`` (per token, or per

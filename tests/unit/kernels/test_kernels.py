@@ -402,9 +402,11 @@ def test_list_of_sources_equals_stacked(backend):
 @pytest.mark.parametrize(
     "sources, match",
     [([], "empty"), ([torch.randn(2, 8), torch.randn(3, 8)], r"sources\[1\]"),
-     ([torch.randn(2, 8), torch.randn(2, 8).double()], r"sources\[1\]"), ([torch.randn(2, 8), "x"], r"sources\[1\]")],
+     ([torch.randn(2, 8), torch.randint(0, 3, (2, 8))], r"sources\[1\]: expected a floating-point"),
+     ([torch.randn(2, 8), "x"], r"sources\[1\]")],
 )
 def test_bad_source_lists(sources, match):
+    """Shapes and devices must match; dtypes may differ (tests/test_precision.py), but not be integers."""
     with pytest.raises((ValueError, TypeError), match=match):
         depth_attention(torch.randn(8), sources)
 
@@ -490,6 +492,14 @@ def test_no_compiler_falls_back_to_fused():
         "assert select_backend(v) == 'fused', select_backend(v)\n"
         "depth_attention(torch.randn(4), v)\n"
         "try:\n    select_backend(v, backend='compiled')\nexcept RuntimeError as e:\n    print(e)\n"
+        # inside torch.compile the build is settled when the operator runs: auto computes the
+        # eager formulas there, a forced backend='compiled' raises
+        "q = torch.randn(4, requires_grad=True)\n"
+        "f = torch.compile(lambda q, v, b: depth_attention(q, v, backend=b), backend='aot_eager', fullgraph=True)\n"
+        "out = f(q, v, 'auto'); torch.autograd.grad(out.sum(), q)\n"
+        "torch.testing.assert_close(out, depth_attention(q, v))\n"
+        "try:\n    f(q, v, 'compiled')\nexcept Exception as e:\n    assert 'ATTNRES_NO_COMPILE' in str(e), e\n"
+        "else:\n    raise AssertionError('no error')\n"
     )
     env = dict(os.environ, ATTNRES_NO_COMPILE="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -644,7 +654,8 @@ def test_stacked_reuses_the_slices_of_one_tensor():
 
 @pytest.mark.parametrize("as_list", [False, True])
 def test_traces_under_torch_compile(as_list):
-    """Inside torch.compile the dispatcher takes the fused eager path; output and gradients hold."""
+    """Inside torch.compile (fullgraph: no graph break) the dispatcher takes the C kernel as a custom
+    operator, or the fused eager path where it does not build; output and gradients hold."""
     torch._dynamo.reset()
     q = torch.randn(8, requires_grad=True)
     v = torch.randn(3, 2, 4, 8, requires_grad=True)
@@ -673,3 +684,89 @@ def test_every_backend_rejects_bad_eps_and_zero_channels(backend):
         kernels.depth_states_batched(q.expand(2, -1), v, -1.0, backend=backend)
     with pytest.raises(ValueError, match="eps"):
         kernels.depth_attention_merged(state[0], q, v, float("nan"), backend=backend)
+
+
+def _graph_ops(fn, *args):
+    """The call_function targets of the graphs torch.compile(fullgraph=True) makes of ``fn(*args)``,
+    and its output (the graph run through AOTAutograd, as inductor would get it)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    targets = []
+
+    def record(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(*args)
+    return targets, out
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("amp", [False, True])
+def test_compiled_kernel_inside_torch_compile(as_list, amp):
+    """The C kernel as custom operators in the compiled graph, forward and backward (fake tensors
+    for the shapes, register_autograd for the gradient): the same numbers as eager mode. With
+    autocast, a mixed list (float32 first, bfloat16 after) as a model under autocast has."""
+    _skip_unavailable("compiled", torch.bfloat16 if amp else torch.float32)
+    q = torch.randn(8, requires_grad=True)
+    first = torch.randn(2, 4, 8, requires_grad=True)
+    rest = torch.randn(2, 2, 4, 8).to(torch.bfloat16 if amp else torch.float32).requires_grad_()
+    sources = [first, *rest.unbind(0)] if as_list else torch.cat([first[None], rest.float()])
+
+    def f(q, s):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return depth_attention(q, s, heads=2)
+
+    targets, out = _graph_ops(f, q, sources)
+    assert "attention_residuals.depth_attention_cpu.default" in targets
+    want = f(q, sources)
+    assert out.dtype == want.dtype == (torch.bfloat16 if amp else torch.float32)
+    leaves = [q, first, rest]
+    g = torch.randn_like(want)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    got = torch.autograd.grad(out, leaves, g)  # compiles the backward graph
+    assert "attention_residuals.depth_attention_cpu_backward.default" in targets
+    for a, b in zip(got, torch.autograd.grad(want, leaves, g), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # the stacked input: a sum in another order
+
+
+def test_compiled_custom_ops_pass_opcheck():
+    """torch.library.opcheck: schema, fake implementation, autograd registration and AOT dispatch."""
+    _skip_unavailable("compiled")
+    for q, dtype in ((torch.randn(8), torch.float32), (torch.randn(5, 8), torch.float32), (torch.randn(8), torch.bfloat16)):
+        vs = [torch.randn(5, 8).to(dtype).requires_grad_() for _ in range(3)]
+        torch.library.opcheck(cpu.depth_attention_op, (q.requires_grad_(), vs, 1e-6, 2, True, True))
+
+
+def test_two_phase_inside_torch_compile():
+    """The forward-only two-phase kernels are not traced: the functional formulas run in the graph."""
+    q = torch.randn(3, 8)
+    v = torch.randn(4, 2, 8)
+    targets, out = _graph_ops(lambda q, v: kernels.depth_states_batched(q, v, heads=2).out, q, v)
+    assert not any("attention_residuals" in t for t in targets)
+    torch.testing.assert_close(out, kernels.depth_states_batched(q, v, heads=2).out)
+
+
+def test_registry_is_explicit_and_lazy():
+    """The registry is filled at import, read-only, in the order of BACKENDS; importing builds and
+    imports nothing (no C compile, no triton); availability is computed on first ask and cached."""
+    code = (
+        "import sys, torch\n"
+        "from attention_residuals import kernels\n"
+        "from attention_residuals.kernels import cpu\n"
+        "assert 'triton' not in sys.modules and cpu._state == {}, (sorted(m for m in sys.modules if 'triton' in m), cpu._state)\n"
+        "assert tuple(kernels._REGISTRY) == kernels.BACKENDS == ('reference', 'fused', 'compiled', 'triton')\n"
+        "try:\n    kernels._REGISTRY['x'] = None\nexcept TypeError:\n    pass\nelse:\n    raise AssertionError('registry is writable')\n"
+        "status = kernels.backend_status('cpu')\n"
+        "assert status['reference'] is None and status['fused'] is None, status\n"
+        "assert ('lib' in cpu._state) == (status['compiled'] is None)\n"
+        "assert kernels._triton_import.cache_info().misses == 1\n"
+        "kernels.backend_status('cpu', torch.bfloat16); kernels.select_backend(torch.randn(2, 3))\n"
+        "assert kernels._triton_import.cache_info().misses == 1  # the import is tried once\n"
+        "print(status)\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
