@@ -142,7 +142,9 @@ def check_depth_inputs(
     if not query.is_floating_point():
         raise TypeError(f"query: expected a floating-point dtype, got {query.dtype}")
     if sources.ndim < 2:
-        raise ValueError(f"sources: expected shape [N, *batch, d] with at least 2 dims, got {tuple(sources.shape)}")
+        raise ValueError(
+            f"sources: expected shape [N, *batch, d] with at least 2 dims, got {tuple(sources.shape)}"
+        )
     if sources.shape[0] == 0:
         raise ValueError("sources: need at least one source (N = 0 along dim 0)")
     d = sources.shape[-1]
@@ -186,7 +188,9 @@ def check_source_list(sources: list[torch.Tensor] | tuple[torch.Tensor, ...]) ->
     """A sequence of sources must hold floating-point tensors of one shape and device; their
     dtypes may differ (they are read in the :func:`activation_dtype`)."""
     if not isinstance(sources, (list, tuple)):
-        raise TypeError(f"sources: expected a torch.Tensor or a list of tensors, got {type(sources).__name__}")
+        raise TypeError(
+            f"sources: expected a torch.Tensor or a list of tensors, got {type(sources).__name__}"
+        )
     if not sources:
         raise ValueError("sources: need at least one source (got an empty list)")
     first = sources[0]

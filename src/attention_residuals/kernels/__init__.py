@@ -144,7 +144,9 @@ def _triton_kernels() -> Kernels:
     )
 
 
-_COMPILED = Kernels(_cpu.forward, _cpu.backward, _cpu.states, _cpu.merge)  # functions only: nothing is built here
+_COMPILED = Kernels(
+    _cpu.forward, _cpu.backward, _cpu.states, _cpu.merge
+)  # functions only: nothing is built here
 
 #: name -> backend, filled here and only here (read-only: a query never registers anything)
 _REGISTRY: types.MappingProxyType[str, Backend] = types.MappingProxyType(
@@ -153,7 +155,9 @@ _REGISTRY: types.MappingProxyType[str, Backend] = types.MappingProxyType(
         for b in (
             Backend("reference", _always, lambda: None, traceable=True),
             Backend("fused", _always, lambda: _autograd.EAGER, traceable=True),
-            Backend("compiled", _cpu.unavailable_reason, lambda: _COMPILED, auto_devices=("cpu",), traceable=True),
+            Backend(
+                "compiled", _cpu.unavailable_reason, lambda: _COMPILED, auto_devices=("cpu",), traceable=True
+            ),
             Backend("triton", _triton_reason, _triton_kernels, auto_devices=("cuda",)),
         )
     }
@@ -212,7 +216,11 @@ def _select(device: torch.device, dtype: torch.dtype, normalize: str, backend: s
 
     if backend == "auto":
         for b in _REGISTRY.values():
-            if device.type in b.auto_devices and (b.traceable or not compiling) and unavailable(b.name) is None:
+            if (
+                device.type in b.auto_devices
+                and (b.traceable or not compiling)
+                and unavailable(b.name) is None
+            ):
                 return b.name
         return "fused"
     reason = unavailable(backend)
@@ -291,7 +299,11 @@ def depth_attention(
     batch, d = srcs[0].shape[:-1], srcs[0].shape[-1]
     one_tensor = isinstance(sources, torch.Tensor)
     # the cast to the activation dtype: a no-op for the sources already in it
-    vs = [sources.to(act).reshape(len(srcs), -1, d)] if one_tensor else [s.to(act).reshape(-1, d) for s in srcs]
+    vs = (
+        [sources.to(act).reshape(len(srcs), -1, d)]
+        if one_tensor
+        else [s.to(act).reshape(-1, d) for s in srcs]
+    )
     if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
         q = query.reshape(d)
     else:
@@ -300,7 +312,9 @@ def depth_attention(
         # inside torch.compile: the C kernel as a custom operator (autograd by register_autograd)
         flat = list(vs[0].unbind(0)) if one_tensor else vs
         q = q.to(accumulation_dtype(act)).contiguous()
-        strict = _requested(backend) == "compiled"  # forced: raise if the kernel cannot be built; auto: eager math
+        strict = (
+            _requested(backend) == "compiled"
+        )  # forced: raise if the kernel cannot be built; auto: eager math
         with autocast_disabled(device.type):
             out, _ = _cpu.depth_attention_op(
                 q, [v.contiguous() for v in flat], float(eps), int(heads), bool(key_norm), strict
@@ -318,7 +332,9 @@ def depth_attention(
 # two-phase inference: forward-only kernels (autograd falls back to the functional formulas)
 
 
-def _two_phase_kernels(device: torch.device, dtype: torch.dtype, backend: str, needs_grad: bool) -> Kernels | None:
+def _two_phase_kernels(
+    device: torch.device, dtype: torch.dtype, backend: str, needs_grad: bool
+) -> Kernels | None:
     """The backend's kernels when it has two-phase ones and no graph is needed, else None (the
     functional formulas run; also inside torch.compile, which cannot trace the kernels' calls)."""
     kernels = _REGISTRY[_select(device, dtype, "softmax", backend)].kernels()

@@ -124,8 +124,10 @@ def stacked(vs: list[torch.Tensor]) -> torch.Tensor:
     step = first.numel()
     storage = first.untyped_storage().data_ptr()
     if first.is_contiguous() and all(
-        v.untyped_storage().data_ptr() == storage and v.storage_offset() == first.storage_offset() + i * step
-        and v.shape == first.shape and v.is_contiguous()
+        v.untyped_storage().data_ptr() == storage
+        and v.storage_offset() == first.storage_offset() + i * step
+        and v.shape == first.shape
+        and v.is_contiguous()
         for i, v in enumerate(vs)
     ):
         return first.as_strided((len(vs), *first.shape), (step, *first.stride()))
@@ -197,5 +199,9 @@ class DepthAttentionFunction(torch.autograd.Function):
             dq, dvs = kernels.backward(q, vs, lse, g, eps, heads, key_norm, need_dq, any(need_v), one_tensor)
         if dvs is not None and one_tensor:
             dvs = [stacked(dvs)]
-        dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(saved)
+        dvs = (
+            [dv if need else None for dv, need in zip(dvs, need_v)]
+            if dvs is not None
+            else [None] * len(saved)
+        )
         return (dq.to(q_dtype) if need_dq else None, None, None, None, None, None, *dvs)

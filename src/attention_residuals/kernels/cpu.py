@@ -108,7 +108,12 @@ def _compiler() -> str | None:
 
 def _compile(cc: str, out: Path, native: bool, openmp: bool) -> str | None:
     """Build the shared object at ``out``; returns an error message or None."""
-    flags = list(_BASE_FLAGS) + (["-march=native"] if native else []) + (["-fopenmp"] if openmp else []) + _extra_flags()
+    flags = (
+        list(_BASE_FLAGS)
+        + (["-march=native"] if native else [])
+        + (["-fopenmp"] if openmp else [])
+        + _extra_flags()
+    )
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     cmd = [cc, *flags, "-o", str(tmp), str(_SOURCE), "-lm", "-lpthread"]
     try:
@@ -253,7 +258,9 @@ class _Table:
 
     def __init__(self, tensors: list[torch.Tensor] | None) -> None:
         self.tensors = tensors
-        self.array = None if tensors is None else (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        self.array = (
+            None if tensors is None else (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        )
 
     @property
     def ptr(self) -> int | None:
@@ -275,7 +282,17 @@ def forward(q: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key
     lse = torch.empty((m, heads), dtype=q.dtype)
     table = _Table(vs)
     rc = getattr(lib, f"attnres_fwd_{suf}")(
-        table.ptr, _ptr(q), _ptr(out), _ptr(lse), n, m, d, heads, int(q.ndim == 1), float(eps), int(key_norm),
+        table.ptr,
+        _ptr(q),
+        _ptr(out),
+        _ptr(lse),
+        n,
+        m,
+        d,
+        heads,
+        int(q.ndim == 1),
+        float(eps),
+        int(key_norm),
         _threads(n * m * d),
     )
     if rc != 0:
@@ -290,12 +307,28 @@ def backward(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, on
     n, (m, d) = len(vs), vs[0].shape
     dvs = None
     if need_dv:
-        dvs = list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0)) if one_buffer else [torch.empty_like(v) for v in vs]
+        dvs = (
+            list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0))
+            if one_buffer
+            else [torch.empty_like(v) for v in vs]
+        )
     dq = torch.empty_like(q) if need_dq else None
     table, grads = _Table(vs), _Table(dvs)
     rc = getattr(lib, f"attnres_bwd_{suf}")(
-        table.ptr, _ptr(q), _ptr(lse), _ptr(g), grads.ptr, _ptr(dq), n, m, d, heads, int(q.ndim == 1), float(eps),
-        int(key_norm), _threads(2 * n * m * d),
+        table.ptr,
+        _ptr(q),
+        _ptr(lse),
+        _ptr(g),
+        grads.ptr,
+        _ptr(dq),
+        n,
+        m,
+        d,
+        heads,
+        int(q.ndim == 1),
+        float(eps),
+        int(key_norm),
+        _threads(2 * n * m * d),
     )
     if rc != 0:
         raise MemoryError("depth attention (compiled): out of memory in the C kernel")
@@ -312,7 +345,17 @@ def states(qs: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key
     out = torch.empty((nq, m, d), dtype=qs.dtype)
     table = _Table(vs)
     rc = getattr(lib, f"attnres_states_{suf}")(
-        table.ptr, _ptr(qs), _ptr(lse), _ptr(out), nq, n, m, d, heads, float(eps), int(key_norm),
+        table.ptr,
+        _ptr(qs),
+        _ptr(lse),
+        _ptr(out),
+        nq,
+        n,
+        m,
+        d,
+        heads,
+        float(eps),
+        int(key_norm),
         _threads(nq * n * m * d),
     )
     if rc != 0:
@@ -328,8 +371,19 @@ def merge(q, vs, st_max, st_sum, st_out, eps, heads, key_norm):
     out = torch.empty((m, d), dtype=vs[0].dtype)
     table = _Table(vs)
     rc = getattr(lib, f"attnres_merge_{suf}")(
-        table.ptr, _ptr(q), _ptr(st_max), _ptr(st_sum), _ptr(st_out), _ptr(out), r, m, d, heads, float(eps),
-        int(key_norm), _threads(2 * r * m * d),
+        table.ptr,
+        _ptr(q),
+        _ptr(st_max),
+        _ptr(st_sum),
+        _ptr(st_out),
+        _ptr(out),
+        r,
+        m,
+        d,
+        heads,
+        float(eps),
+        int(key_norm),
+        _threads(2 * r * m * d),
     )
     if rc != 0:
         raise MemoryError("depth merge (compiled): out of memory in the C kernel")
@@ -356,7 +410,9 @@ def _eager_fallback(strict: bool):
     if _load() is not None:
         return None
     if strict:
-        raise RuntimeError(f"backend='compiled' is unavailable: the C kernel could not be built: {_state.get('error')}")
+        raise RuntimeError(
+            f"backend='compiled' is unavailable: the C kernel could not be built: {_state.get('error')}"
+        )
     from .autograd import EAGER
 
     return EAGER
@@ -379,9 +435,17 @@ def _depth_attention_fake(q, vs, eps, heads, key_norm, strict):
     return vs[0].new_empty((m, d)), q.new_empty((m, heads))
 
 
-@torch.library.custom_op("attention_residuals::depth_attention_cpu_backward", mutates_args=(), device_types="cpu")
+@torch.library.custom_op(
+    "attention_residuals::depth_attention_cpu_backward", mutates_args=(), device_types="cpu"
+)
 def depth_attention_backward_op(
-    q: torch.Tensor, vs: list[torch.Tensor], lse: torch.Tensor, g: torch.Tensor, eps: float, heads: int, key_norm: bool
+    q: torch.Tensor,
+    vs: list[torch.Tensor],
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    eps: float,
+    heads: int,
+    key_norm: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """:func:`backward` as an operator: (dq like q, [dv_i like v_i]) given ``g = dL/dout`` [M, d]
     (the eager formulas where the forward used them)."""

@@ -130,9 +130,16 @@ def test_gradcheck(backend, query_kind, heads, key_norm):
     assert torch.autograd.gradcheck(f, (q, v), eps=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("backend,dtype", [("fused", torch.bfloat16), ("compiled", torch.bfloat16),
-                                           ("triton", torch.bfloat16), ("fused", torch.float16),
-                                           ("triton", torch.float16)])  # the compiled kernel has no float16
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [
+        ("fused", torch.bfloat16),
+        ("compiled", torch.bfloat16),
+        ("triton", torch.bfloat16),
+        ("fused", torch.float16),
+        ("triton", torch.float16),
+    ],
+)  # the compiled kernel has no float16
 @pytest.mark.parametrize("query_kind", ["static", "input"])
 def test_half_precision(backend, dtype, query_kind):
     _skip_unavailable(backend, dtype)
@@ -285,7 +292,9 @@ def test_triton_many_token_blocks(query_kind, block_d):
         _assert_close(a, b, 2e-5)
 
 
-@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device (the interpreter runs tiny shapes only)")
+@pytest.mark.skipif(
+    not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA device (the interpreter runs tiny shapes only)"
+)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("n,m,d,heads", [(9, 4096, 1024, 1), (3, 1000, 4096, 1), (17, 512, 768, 4)])
 def test_triton_cuda_shapes(dtype, tol, n, m, d, heads):
@@ -318,7 +327,9 @@ def test_triton_kernels_compile_for_hopper(tmp_path):
         pytest.skip("this triton wheel has no NVIDIA backend with ptxas and cuobjdump")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
-    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "scripts", "triton_aot.py")
+    script = os.path.join(
+        os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "scripts", "triton_aot.py"
+    )
     json_path = tmp_path / "aot.json"
     proc = subprocess.run(
         [sys.executable, script, "--arch", "90", "--quick", "--json", str(json_path)],
@@ -359,7 +370,9 @@ def test_backward_saves_only_sources_query_and_scalars(as_list):
             depth_attention(q, sources, heads=2, backend=backend)
             extra = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
             assert [tuple(t.shape) for t in extra] == [(6, 2)] and extra[0].dtype == torch.float32
-            assert len(saved) == 2 + (4 if as_list else 1)  # query, lse, the four sources (or their one tensor)
+            assert len(saved) == 2 + (
+                4 if as_list else 1
+            )  # query, lse, the four sources (or their one tensor)
 
 
 @pytest.mark.parametrize("backend", ["fused", "compiled"])
@@ -401,9 +414,12 @@ def test_list_of_sources_equals_stacked(backend):
 
 @pytest.mark.parametrize(
     "sources, match",
-    [([], "empty"), ([torch.randn(2, 8), torch.randn(3, 8)], r"sources\[1\]"),
-     ([torch.randn(2, 8), torch.randint(0, 3, (2, 8))], r"sources\[1\]: expected a floating-point"),
-     ([torch.randn(2, 8), "x"], r"sources\[1\]")],
+    [
+        ([], "empty"),
+        ([torch.randn(2, 8), torch.randn(3, 8)], r"sources\[1\]"),
+        ([torch.randn(2, 8), torch.randint(0, 3, (2, 8))], r"sources\[1\]: expected a floating-point"),
+        ([torch.randn(2, 8), "x"], r"sources\[1\]"),
+    ],
 )
 def test_bad_source_lists(sources, match):
     """Shapes and devices must match; dtypes may differ (tests/test_precision.py), but not be integers."""
@@ -594,8 +610,10 @@ def test_two_phase_states_and_merge(backend, heads, key_norm, dtype, d):
         _assert_close(out, via_functional.output(dtype), tol)
 
 
-@pytest.mark.parametrize("backend,dtype,tol", [("compiled", torch.float32, 2e-5), ("compiled", torch.float64, 1e-12),
-                                               ("triton", torch.float32, 2e-5)])  # triton has no float64
+@pytest.mark.parametrize(
+    "backend,dtype,tol",
+    [("compiled", torch.float32, 2e-5), ("compiled", torch.float64, 1e-12), ("triton", torch.float32, 2e-5)],
+)  # triton has no float64
 @pytest.mark.parametrize("rest", [1, 3])
 @pytest.mark.parametrize("d", [12, 174])
 def test_merge_of_any_state(backend, dtype, tol, rest, d):
@@ -677,8 +695,11 @@ def test_every_backend_rejects_bad_eps_and_zero_channels(backend):
         with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
             depth_attention(q, sources, -1.0, backend=backend)
         with pytest.raises(ValueError, match="sources: the channel dimension d must be > 0"):
-            depth_attention(torch.zeros(0), [torch.zeros(2, 0)] * 3 if isinstance(sources, list)
-                            else torch.zeros(3, 2, 0), backend=backend)
+            depth_attention(
+                torch.zeros(0),
+                [torch.zeros(2, 0)] * 3 if isinstance(sources, list) else torch.zeros(3, 2, 0),
+                backend=backend,
+            )
     state = kernels.depth_states_batched(q.expand(2, -1), v)
     with pytest.raises(ValueError, match="eps"):
         kernels.depth_states_batched(q.expand(2, -1), v, -1.0, backend=backend)
@@ -699,7 +720,9 @@ def _graph_ops(fn, *args):
         targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return make_boxed_func(gm.forward)
 
-    out = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(*args)
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)(
+        *args
+    )
     return targets, out
 
 
@@ -735,7 +758,11 @@ def test_compiled_kernel_inside_torch_compile(as_list, amp):
 def test_compiled_custom_ops_pass_opcheck():
     """torch.library.opcheck: schema, fake implementation, autograd registration and AOT dispatch."""
     _skip_unavailable("compiled")
-    for q, dtype in ((torch.randn(8), torch.float32), (torch.randn(5, 8), torch.float32), (torch.randn(8), torch.bfloat16)):
+    for q, dtype in (
+        (torch.randn(8), torch.float32),
+        (torch.randn(5, 8), torch.float32),
+        (torch.randn(8), torch.bfloat16),
+    ):
         vs = [torch.randn(5, 8).to(dtype).requires_grad_() for _ in range(3)]
         torch.library.opcheck(cpu.depth_attention_op, (q.requires_grad_(), vs, 1e-6, 2, True, True))
 

@@ -91,7 +91,9 @@ def _unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def _assert_tight(got: torch.Tensor, want: torch.Tensor, name: str, rounded: torch.dtype | None = None) -> None:
+def _assert_tight(
+    got: torch.Tensor, want: torch.Tensor, name: str, rounded: torch.dtype | None = None
+) -> None:
     """One rounding to ``rounded`` (default ``got.dtype``) from the float64 value: within one ulp
     per element. (A float32 source's gradient is float32 but went through its bfloat16 copy.)"""
     eps = torch.finfo(rounded or got.dtype).eps
@@ -138,7 +140,9 @@ def test_activation_dtype_rules():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert activation_dtype([f32, bf16]) == torch.bfloat16
         assert activation_dtype([f32, f32]) == torch.bfloat16
-        assert activation_dtype([f32.double(), f32.double()]) == torch.float64  # autocast leaves float64 alone
+        assert (
+            activation_dtype([f32.double(), f32.double()]) == torch.float64
+        )  # autocast leaves float64 alone
         with torch.autocast("cpu", enabled=False):
             assert activation_dtype([f32, bf16]) == torch.float32
 
@@ -177,7 +181,9 @@ def test_forward_and_gradients(backend, dtype, mode, heads, key_norm, query_kind
     want = _reference(q_in, as_read, grad, heads=heads, key_norm=key_norm)
     for name, a, b, r in zip(names, (out, *grads), want, rounded):
         _assert_tight(a, b, name, r)
-    for name, a, b in zip(names, (out, *grads), _reference(query, master, grad, heads=heads, key_norm=key_norm)):
+    for name, a, b in zip(
+        names, (out, *grads), _reference(query, master, grad, heads=heads, key_norm=key_norm)
+    ):
         _assert_end_to_end(a, b, dtype, name)
 
 
@@ -212,7 +218,10 @@ def test_float64_ignores_autocast(backend):
     assert under.dtype == torch.float64
     assert torch.equal(under, plain)
     g = torch.randn_like(plain)
-    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(under, (q, v), g), torch.autograd.grad(plain, (q, v), g)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(torch.autograd.grad(under, (q, v), g), torch.autograd.grad(plain, (q, v), g))
+    )
 
 
 def test_auto_backend_follows_the_activation_dtype():
@@ -267,12 +276,18 @@ def test_two_phase_statistics_and_merge(backend, dtype, heads, key_norm):
             plain = depth_attention(queries[k], sources, backend=backend, **kw)
             assert merged.dtype == plain.dtype == dtype
             _assert_tight(merged, plain.double(), f"query {k}: two-phase vs plain")
-            want = depth_attention_reference(queries[k].double(), torch.stack([s.to(dtype).double() for s in sources]), **kw)
+            want = depth_attention_reference(
+                queries[k].double(), torch.stack([s.to(dtype).double() for s in sources]), **kw
+            )
             _assert_tight(merged, want, f"query {k}: two-phase vs float64")
         # a phase-1 state that covers every source: its output, rounded once
         full = depth_states_batched(queries, sources, backend=backend, **kw)
         for k in range(3):
-            _assert_tight(full[k].output(), depth_attention(queries[k], sources, backend=backend, **kw).double(), "state")
+            _assert_tight(
+                full[k].output(),
+                depth_attention(queries[k], sources, backend=backend, **kw).double(),
+                "state",
+            )
 
 
 def test_functional_states_and_logits_are_float32():
@@ -289,7 +304,9 @@ def test_functional_states_and_logits_are_float32():
         merged = merge_states(a, b)
         assert merged.dtype == torch.bfloat16 and merged.out.dtype == torch.float32
         _assert_tight(merged.output(), depth_attention_reference(q.double(), v.bfloat16().double()), "merged")
-    assert merge_states(depth_state(q, v[:1]), depth_state(q, v[1:].bfloat16())).output().dtype == torch.float32
+    assert (
+        merge_states(depth_state(q, v[:1]), depth_state(q, v[1:].bfloat16())).output().dtype == torch.float32
+    )
 
 
 @pytest.mark.parametrize("backend,dtype", CASES)
