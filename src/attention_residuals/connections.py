@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -45,7 +46,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .functional import DepthState, depth_logits, rms_norm
+from .functional import DepthState, activation_dtype, depth_logits, rms_norm, stack_sources
 from .kernels import depth_attention, depth_attention_merged, depth_states_batched
 from .typed import check_choices, check_field_types, field_default, option
 
@@ -215,6 +216,19 @@ class Connection(nn.Module):
         The depth-attention rules override it to recompute the pair in backward."""
         return norm(self.read(state, layer))
 
+    def final_normed(self, state: ResidualState, norm: nn.Module) -> torch.Tensor:
+        """``norm(final(state))``: what the LM head reads (recomputed in backward like
+        :meth:`read_normed` by the depth-attention rules)."""
+        return norm(self.final(state))
+
+    def read_checkpointed(
+        self, state: ResidualState, layer: int, body: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``body(read(state, layer))`` under ``torch.utils.checkpoint`` (activation checkpointing:
+        ``body`` is the sublayer with its norm). Backward keeps only what the read depends on —
+        here its output, for the depth-attention rules their sources — and recomputes the rest."""
+        return checkpoint(body, self.read(state, layer), use_reentrant=False)
+
     def n_columns(self) -> int:
         """Number of distinct source columns in :meth:`GPT.depth_weights`."""
         return self.n_layers + 1
@@ -325,7 +339,7 @@ class DepthAttentionResidual(Connection):
             return self._attend_two_phase(state, layer, srcs)
         if state.record is not None:
             q = self.query(layer, srcs)
-            z = depth_logits(q, torch.stack(srcs), self.eps, heads=self.heads, key_norm=self.key_norm)
+            z = depth_logits(q, stack_sources(srcs), self.eps, heads=self.heads, key_norm=self.key_norm)
             w = torch.softmax(z, 0) if self.normalize == "softmax" else torch.sigmoid(z)
             state.record[layer] = (cols, w.detach().flatten(1, -1).mean(1))
         return self._attend_sources(layer, *srcs)
@@ -353,6 +367,15 @@ class DepthAttentionResidual(Connection):
         srcs, _ = self.sources(state, layer)
         return checkpoint(lambda *s: norm(self._attend_sources(layer, *s)), *srcs, use_reentrant=False)
 
+    def final_normed(self, state, norm):
+        return self.read_normed(state, self.n_layers, norm)  # the readout is row L of the queries
+
+    def read_checkpointed(self, state, layer, body):
+        if state.schedule != "plain" or state.record is not None:
+            return super().read_checkpointed(state, layer, body)
+        srcs, _ = self.sources(state, layer)
+        return checkpoint(lambda *s: body(self._attend_sources(layer, *s)), *srcs, use_reentrant=False)
+
     def _attend_two_phase(self, state: ResidualState, layer: int, srcs: list[torch.Tensor]) -> torch.Tensor:
         """Phase 1 once per group: every query of the group (and the final readout's, in the
         last group) over the sources already known, in one batched pass. Phase 2 per layer:
@@ -371,13 +394,16 @@ class DepthAttentionResidual(Connection):
         merged = batched[layers.index(layer)]
         rest = srcs[covered:]
         if not rest:
-            return merged.output(srcs[0].dtype)
+            return merged.output()
         return depth_attention_merged(
             merged, self.static_queries(layer), rest, self.eps, heads=self.heads, key_norm=self.key_norm
         )
 
     def init_state(self, embedding, schedule="plain", record=False):
         state = super().init_state(embedding, schedule, record)
+        # the embedding joins the sources in the activation dtype, cast once here (under autocast
+        # it is float32 while the sublayer outputs are bf16/fp16), not once per layer by the op
+        embedding = embedding.to(activation_dtype([embedding]))
         state.values = [embedding]
         state.blocks = [embedding]
         return state

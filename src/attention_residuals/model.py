@@ -198,8 +198,22 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class _Sublayer:
+    """``h -> f_l(RMSNorm_l(h))`` for activation checkpointing (a plain callable, no KV cache:
+    only training recomputes)."""
+
+    def __init__(self, layer: nn.Module, norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.layer, self.norm, self.cos, self.sin = layer, norm, cos, sin
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.norm(h), self.cos, self.sin)
+
+
 class GPT(nn.Module):
     """Decoder-only LM; ``config.residual`` picks the depth-mixing rule (see connections)."""
+
+    #: recompute every sublayer in backward (``attnres train --activation-checkpointing``)
+    activation_checkpointing: bool = False
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -304,9 +318,12 @@ class GPT(nn.Module):
         x = self.embed(idx)
         state = self.residual.init_state(x, schedule=schedule, record=record)
         for l, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=False)):
-            x = self.residual.read_normed(state, l, norm)  # RMSNorm_l(h_l)
-            self.residual.write(state, l, layer(x, cos, sin, cache))
-        out = self.norm_f(self.residual.final(state))
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                v = self.residual.read_checkpointed(state, l, _Sublayer(layer, norm, cos, sin))
+            else:
+                v = layer(self.residual.read_normed(state, l, norm), cos, sin, cache)  # f_l(RMSNorm_l(h_l))
+            self.residual.write(state, l, v)
+        out = self.residual.final_normed(state, self.norm_f)
         if cache is not None:
             cache.length += T
         return out, state.record
@@ -347,11 +364,14 @@ class GPT(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         use_cache: bool = True,
+        schedule: str | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens after ``idx`` ``[B, T]``; ``temperature=0`` is greedy.
 
         With ``use_cache`` (default) the prompt is prefilled once and every new token costs one
-        position through the network (KV cache); without it the whole prefix is recomputed.
+        position through the network (KV cache); without it the whole prefix is recomputed. The
+        prefill runs ``schedule`` (default :meth:`inference_schedule`: the exact two-phase schedule
+        where the rule has it); the tokens after it, one position each, the plain one.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
@@ -362,8 +382,10 @@ class GPT(nn.Module):
             )
         cache = self.new_cache(idx.shape[0]) if use_cache else None
         pending = idx
-        for _ in range(max_new_tokens):
-            hidden, _ = self._run(pending if use_cache else idx, cache=cache, check=False)
+        prefill = self.inference_schedule() if schedule is None else schedule
+        for i in range(max_new_tokens):
+            run_schedule = prefill if i == 0 or not use_cache else "plain"
+            hidden, _ = self._run(pending if use_cache else idx, run_schedule, cache, check=False)
             logits = self.lm_head(hidden[:, -1]).float()
             if temperature == 0:
                 nxt = logits.argmax(-1, keepdim=True)
@@ -376,6 +398,12 @@ class GPT(nn.Module):
             idx = torch.cat([idx, nxt], dim=1)
             pending = nxt
         return idx
+
+    def inference_schedule(self) -> str:
+        """The fastest exact schedule for a forward without gradients: ``"two_phase"`` when the rule
+        supports it (static softmax queries: one batched read of a block's sources for all its
+        layers, the report's section 4), else ``"plain"``."""
+        return "two_phase" if self.residual.supports_two_phase else "plain"
 
     @torch.no_grad()
     def depth_weights(self, idx: torch.Tensor) -> torch.Tensor:

@@ -433,3 +433,13 @@ def test_depth_params_get_gradients(residual, idx):
     grads = [p.grad for p in model.residual.parameters()]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("residual", ["block", "full", "prenorm"])
+def test_generate_prefills_with_the_fastest_exact_schedule(residual):
+    model = randomize_depth_params(GPT(tiny(residual))).double().eval()
+    assert model.inference_schedule() == ("plain" if residual == "prenorm" else "two_phase")
+    prompt = torch.randint(0, 64, (2, 7))
+    fast = model.generate(prompt, 6, temperature=0)
+    assert torch.equal(fast, model.generate(prompt, 6, temperature=0, schedule="plain"))
+    assert torch.equal(fast, model.generate(prompt, 6, temperature=0, use_cache=False))

@@ -82,7 +82,12 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
-    dtype: str = _f("float32", "autocast dtype of the forward pass", choices=DTYPES)
+    dtype: str = _f(
+        "auto",
+        "autocast dtype of the forward pass; auto: bfloat16 on CUDA, float32 on CPU (recorded as chosen; "
+        "float16 trains with a gradient scaler)",
+        choices=("auto", *DTYPES),
+    )
     seed: int = _f(0, "seed of the initialisation and of the training batches")
     # data
     data: str | None = _f(
@@ -108,6 +113,10 @@ class TrainConfig:
     )
     progress: bool = _rc(True, "show a progress bar")
     device: str = _rc("auto", "cpu, cuda, cuda:N or auto")
+    compile: bool = _rc(False, "torch.compile the training forward/backward (fullgraph on one process)")
+    activation_checkpointing: bool = _rc(
+        False, "recompute every sublayer (its depth read, norm and body) in backward: saves only its sources"
+    )
     cache_dir: str | None = _rc(
         None, "token cache folder (default $ATTNRES_CACHE or ~/.cache/attention_residuals)"
     )
@@ -156,8 +165,8 @@ class TrainConfig:
             raise ValueError(f"ckpt_interval: expected >= 0, got {self.ckpt_interval}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:

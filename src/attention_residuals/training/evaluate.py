@@ -21,7 +21,7 @@ from ..model import GPT
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig
 from .data import BYTE_TOKENIZER
-from .loop import estimate_loss, load_corpus_for, resolve_device
+from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype
 from .run import CHECKPOINT_FILE, CONFIG_FILE
 
 __all__ = ["evaluate_run", "load_run", "main"]
@@ -92,7 +92,7 @@ def evaluate_run(
         batch_size=bs,
         seq_len=cfg.model.seq_len,
         device=dev,
-        dtype=cfg.dtype,
+        dtype=resolve_dtype(cfg.dtype, dev),
     )
     out: dict[str, Any] = {
         "run_dir": str(run_dir),

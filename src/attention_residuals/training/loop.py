@@ -16,6 +16,7 @@ step, counters; all of it checkpointed), :func:`train_step` (one optimizer step)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -93,6 +94,20 @@ def autocast(device: torch.device, dtype: str):
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> str:
+    """``--dtype auto``: bfloat16 autocast on CUDA (what GPU training uses), float32 on CPU (where
+    bf16 matmuls are slower than float32 on most CPUs). A run records the resolved name, so resume,
+    eval, sample and export use the precision it trained in."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """float16 needs loss scaling (its exponent range underflows small gradients); bf16 does not."""
+    return torch.amp.GradScaler(device.type) if dtype == "float16" else None
 
 
 @torch.no_grad()
@@ -211,7 +226,8 @@ class TrainState:
     model: GPT
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    net: torch.nn.Module | None = None  # what the forward pass calls: the model, or its DDP wrapper
+    net: torch.nn.Module | None = None  # what the forward pass calls: the model, compiled, DDP-wrapped
+    scaler: torch.amp.GradScaler | None = None  # float16's loss scaling (its state is checkpointed)
     step: int = 0  # optimizer steps done
     tokens: int = 0  # training tokens seen, all ranks
     train_s: float = 0.0  # seconds spent in train_step
@@ -232,9 +248,14 @@ class TrainState:
 
     def counters(self) -> dict[str, Any]:
         """The checkpoint's ``extra``."""
-        return {name: self.wall() if name == "wall_s" else getattr(self, name) for name in _COUNTERS}
+        out = {name: self.wall() if name == "wall_s" else getattr(self, name) for name in _COUNTERS}
+        if self.scaler is not None:
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
 
     def restore_counters(self, extra: dict[str, Any]) -> None:
+        if self.scaler is not None and "grad_scaler" in extra:
+            self.scaler.load_state_dict(extra["grad_scaler"])
         for name, default in _COUNTERS.items():
             value = extra.get(name, default)
             if name == "wall_s":
@@ -278,7 +299,8 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
         min_lr=cfg.min_lr,
         decay_frac=cfg.decay_frac,
     )
-    return TrainState(model, optimizer, scheduler)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return TrainState(model, optimizer, scheduler, scaler=grad_scaler(cfg.dtype, device))
 
 
 @dataclass(frozen=True)
@@ -310,10 +332,17 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         with _dp.sync_context(state.net, micro == A - 1):  # DDP: all-reduce on the last one only
             with autocast(ctx.device, cfg.dtype):
                 _, loss = state.net(x, y)
-            (loss / A).backward()
+            scaled = loss / A
+            (state.scaler.scale(scaled) if state.scaler is not None else scaled).backward()
         loss_sum += loss.detach()
+    if state.scaler is not None:
+        state.scaler.unscale_(state.optimizer)  # clip the true gradients
     grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
-    state.optimizer.step()
+    if state.scaler is not None:
+        state.scaler.step(state.optimizer)  # skipped when a gradient overflowed
+        state.scaler.update()
+    else:
+        state.optimizer.step()
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     mean_loss = float(_dp.mean(loss_sum, ctx.env)) / A
@@ -549,6 +578,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     with another config, and ``CheckpointError`` when no good checkpoint is left.
     """
     cfg = absolute_paths(cfg.validate())
+    cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, resolve_device(cfg.device)))
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
         return _train(cfg, corpus, env)
@@ -570,6 +600,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     elif ctx.is_main:
         start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
     state.net = _dp.wrap(state.model, env)
+    if cfg.compile:  # one graph for the bundled GPT; DDP splits its graph at bucket boundaries
+        state.net = torch.compile(state.net, fullgraph=env.world_size == 1)
     state.clock = time.perf_counter()
     with (
         MetricsWriter(ctx.out / METRICS_FILE, ctx.is_main) as metrics,

@@ -24,6 +24,7 @@ from . import tokenizer as tok
 from .checkpoint import CheckpointError
 from .data import BYTE_TOKENIZER, byte_decode, byte_encode
 from .evaluate import load_run
+from .loop import autocast, resolve_dtype
 
 __all__ = ["generate_text", "run_codec", "main"]
 
@@ -168,17 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=args.device)
         encode, decode = run_codec(info["record"], args.tokenizer)
-        texts = generate_text(
-            model,
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k or None,
-            seed=args.seed,
-            num_samples=args.num_samples,
-            encode=encode,
-            decode=decode,
+        device = next(model.parameters()).device
+        dtype = resolve_dtype(cfg.dtype, device)  # the precision the run trained in
+        print(
+            f"attnres sample: {model.inference_schedule()} prefill, KV-cache decode, {dtype}", file=sys.stderr
         )
+        with autocast(device, dtype):
+            texts = generate_text(
+                model,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k or None,
+                seed=args.seed,
+                num_samples=args.num_samples,
+                encode=encode,
+                decode=decode,
+            )
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"attnres sample: error: {e}", file=sys.stderr)
         return 2
