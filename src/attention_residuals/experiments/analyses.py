@@ -49,14 +49,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
 
 
-def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
+def _scaling_rows(todo, summaries) -> list[dict]:
+    """One row per (size, variant): compute, mean and spread of the final val loss over seeds."""
     points: dict[tuple[str, str], list[dict]] = {}  # (size, variant) -> the summaries of its seeds
     for spec in todo:
         points.setdefault((spec.group, spec.variant), []).append(summaries[spec.name])
-    rows, by_variant = [], {}
+    rows = []
     for (size, variant), runs in points.items():
         s = runs[0]
-        c = s["flops_per_token"] * s["tokens"] / PFLOPS_DAY
         losses = [_final(r) for r in runs]
         mean, std = _mean_std(losses)
         rows.append(
@@ -65,7 +65,7 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
                 "variant": variant,
                 "params": s["params"],
                 "tokens": s["tokens"],
-                "compute_pfs_days": c,
+                "compute_pfs_days": s["flops_per_token"] * s["tokens"] / PFLOPS_DAY,
                 "val_loss": mean,
                 "val_loss_std": std,
                 "val_losses": losses,
@@ -73,19 +73,21 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
                 "train_s": sum(r["train_s"] for r in runs),
             }
         )
-        by_variant.setdefault(variant, []).append((c, mean))
-    fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
-    cmax = max(r["compute_pfs_days"] for r in rows)
-    advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
+    return rows
+
+
+def _plot_scaling(rows: list[dict], fits: dict, path: Path) -> None:
+    """Loss vs compute on log-log axes: the means, their seeds as small dots, the fitted laws."""
     from matplotlib import ticker
 
     fig = new_figure((6, 4.2))
     ax = fig.subplots()
-    for v, pts in by_variant.items():
-        cs, ls = zip(*sorted(pts))
-        line = ax.plot(cs, ls, "o", label=None)[0]
-        for r in rows:  # the seeds behind a mean, as small dots
-            if r["variant"] == v and r["seeds"] > 1:
+    for v in dict.fromkeys(r["variant"] for r in rows):
+        mine = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["compute_pfs_days"])
+        cs = [r["compute_pfs_days"] for r in mine]
+        line = ax.plot(cs, [r["val_loss"] for r in mine], "o", label=None)[0]
+        for r in mine:
+            if r["seeds"] > 1:
                 ax.plot(
                     [r["compute_pfs_days"]] * r["seeds"],
                     r["val_losses"],
@@ -107,7 +109,18 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     ax.set_title("Scaling: loss vs compute")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(exp_dir / "scaling.png", dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
+    rows = _scaling_rows(todo, summaries)
+    by_variant: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append((r["compute_pfs_days"], r["val_loss"]))
+    fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
+    cmax = max(r["compute_pfs_days"] for r in rows)
+    advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
+    _plot_scaling(rows, fits, exp_dir / "scaling.png")
     lines = [
         "| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
         "|---|---|---|---|---|---|---|---|",

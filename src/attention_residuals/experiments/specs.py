@@ -236,81 +236,105 @@ def _study_spec(
     return RunSpec(f"{group}_tpp{tpp:g}_{variant}{lr_tag}_s{seed}", variant, cfg, seed, group)
 
 
-def specs(experiment: str, budget: Budget) -> list[RunSpec]:
-    """The runs of ``experiment`` under ``budget``."""
-    out: list[RunSpec] = []
-    if experiment == "scaling":
-        for d, n_layer, n_head, steps in budget.sizes:
-            size = f"d{d}_l{n_layer}"
-            variants = {
-                "prenorm": {"residual": "prenorm"},
-                "full": {"residual": "full"},
-                "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
-                "mhc": {"residual": "mhc"},
-            }
-            for seed in range(budget.seeds):
-                for v, o in variants.items():
-                    cfg = {**_model(d, n_layer, n_head), "steps": steps, **o}
-                    out.append(RunSpec(f"{size}_{v}_s{seed}", v, cfg, seed, size))
-    elif experiment == "ablation":
-        d, n_layer, n_head = budget.mid
-        for seed in range(budget.seeds):
-            for v, o in ablation_variants(n_layer, d).items():
-                out.append(RunSpec(f"{v}_s{seed}", v, {**_model(d, n_layer, n_head), **o}, seed))
-    elif experiment == "blocksize":
-        d, n_layer, n_head = budget.mid
-        L = 2 * n_layer
-        sizes = sorted({s for s in (1, 2, 4, 8, 16, L) if s <= L})
-        for seed in range(budget.seeds):
-            out.append(
-                RunSpec(
-                    f"baseline_s{seed}",
-                    "baseline",
-                    {**_model(d, n_layer, n_head), "residual": "prenorm"},
-                    seed,
-                )
-            )
-            for s in sizes:
-                o = {**_model(d, n_layer, n_head), "residual": "block", "block_size": s}
-                out.append(RunSpec(f"S{s}_s{seed}", f"S={s}", o, seed))
-    elif experiment == "analysis":
-        d, n_layer, n_head = budget.mid
-        for v, o in {
-            "baseline": {"residual": "prenorm"},
+def _scaling_specs(budget: Budget) -> list[RunSpec]:
+    out = []
+    for d, n_layer, n_head, steps in budget.sizes:
+        size = f"d{d}_l{n_layer}"
+        variants = {
+            "prenorm": {"residual": "prenorm"},
             "full": {"residual": "full"},
             "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
-        }.items():
-            out.append(RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0))
-    elif experiment == "shape":
-        for d, n_layer, n_head in budget.shapes:
-            for v, o in {
-                "prenorm": {"residual": "prenorm"},
-                "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
-            }.items():
-                out.append(
-                    RunSpec(
-                        f"d{d}_l{n_layer}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, f"d{d}_l{n_layer}"
-                    )
-                )
-    elif experiment == "budget":
-        # ordered so that finished runs answer the first question first: the shallow model on code,
-        # then on prose, budgets ascending, seeds in turn; then the deeper model
-        for shape in budget.study_shapes:
-            for data in budget.corpora:
-                for tpp in budget.tokens_per_param:
-                    for seed in range(budget.seeds):
-                        for v, o in study_variants(shape[1], shape[2]).items():
-                            out.append(_study_spec(budget, data, shape, tpp, v, o, seed))
-    elif experiment == "lr":
-        shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
-        for data in budget.corpora:
-            for seed in range(budget.seeds):
-                for lr in budget.lrs:
-                    for v, o in study_variants(shape[1], shape[2]).items():
-                        out.append(_study_spec(budget, data, shape, tpp, v, o, seed, lr))
-    else:
-        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+            "mhc": {"residual": "mhc"},
+        }
+        for seed in range(budget.seeds):
+            for v, o in variants.items():
+                cfg = {**_model(d, n_layer, n_head), "steps": steps, **o}
+                out.append(RunSpec(f"{size}_{v}_s{seed}", v, cfg, seed, size))
     return out
+
+
+def _ablation_specs(budget: Budget) -> list[RunSpec]:
+    d, n_layer, n_head = budget.mid
+    return [
+        RunSpec(f"{v}_s{seed}", v, {**_model(d, n_layer, n_head), **o}, seed)
+        for seed in range(budget.seeds)
+        for v, o in ablation_variants(n_layer, d).items()
+    ]
+
+
+def _blocksize_specs(budget: Budget) -> list[RunSpec]:
+    d, n_layer, n_head = budget.mid
+    L = 2 * n_layer
+    out = []
+    for seed in range(budget.seeds):
+        out.append(
+            RunSpec(
+                f"baseline_s{seed}", "baseline", {**_model(d, n_layer, n_head), "residual": "prenorm"}, seed
+            )
+        )
+        for s in sorted({s for s in (1, 2, 4, 8, 16, L) if s <= L}):
+            o = {**_model(d, n_layer, n_head), "residual": "block", "block_size": s}
+            out.append(RunSpec(f"S{s}_s{seed}", f"S={s}", o, seed))
+    return out
+
+
+def _analysis_specs(budget: Budget) -> list[RunSpec]:
+    d, n_layer, n_head = budget.mid
+    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    variants = {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"}, "block": block}
+    return [RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0) for v, o in variants.items()]
+
+
+def _shape_specs(budget: Budget) -> list[RunSpec]:
+    out = []
+    for d, n_layer, n_head in budget.shapes:
+        block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+        for v, o in {"prenorm": {"residual": "prenorm"}, "block": block}.items():
+            group = f"d{d}_l{n_layer}"
+            out.append(RunSpec(f"{group}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, group))
+    return out
+
+
+def _budget_specs(budget: Budget) -> list[RunSpec]:
+    # ordered so that finished runs answer the first question first: the shallow model on code,
+    # then on prose, budgets ascending, seeds in turn; then the deeper model
+    return [
+        _study_spec(budget, data, shape, tpp, v, o, seed)
+        for shape in budget.study_shapes
+        for data in budget.corpora
+        for tpp in budget.tokens_per_param
+        for seed in range(budget.seeds)
+        for v, o in study_variants(shape[1], shape[2]).items()
+    ]
+
+
+def _lr_specs(budget: Budget) -> list[RunSpec]:
+    shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
+    return [
+        _study_spec(budget, data, shape, tpp, v, o, seed, lr)
+        for data in budget.corpora
+        for seed in range(budget.seeds)
+        for lr in budget.lrs
+        for v, o in study_variants(shape[1], shape[2]).items()
+    ]
+
+
+_SPECS = {
+    "scaling": _scaling_specs,
+    "ablation": _ablation_specs,
+    "blocksize": _blocksize_specs,
+    "analysis": _analysis_specs,
+    "shape": _shape_specs,
+    "budget": _budget_specs,
+    "lr": _lr_specs,
+}
+
+
+def specs(experiment: str, budget: Budget) -> list[RunSpec]:
+    """The runs of ``experiment`` under ``budget``."""
+    if experiment not in _SPECS:
+        raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    return _SPECS[experiment](budget)
 
 
 # options renamed since runs were first keyed: a key keeps the first spelling, so committed runs are found

@@ -213,3 +213,13 @@ def test_only_tabulates_the_whole_experiment_or_nothing(monkeypatch, tmp_path, c
     finished |= {"S1", "S4", "S8", "prenorm"}
     result = ex.run_experiment("blocksize", "quick", tmp_path, only=["S=2"])
     assert set(result["run_dirs"]) == {s.name for s in ex.specs("blocksize", ex.BUDGETS["quick"])}
+
+
+def test_committed_runs_are_found_under_the_current_run_keys():
+    """Every run of the committed full-budget experiments is found where run_key says (renamed
+    options keep their first spelling in keys), so re-running an experiment trains nothing."""
+    root = Path(__file__).resolve().parents[3] / "results"
+    for name in ("scaling", "ablation", "blocksize", "analysis", "shape"):
+        for spec in ex.specs(name, ex.BUDGETS["full"]):
+            run = root / "runs" / ex.run_key(spec, "full")
+            assert (run / "summary.json").is_file(), (name, spec.name, run.name)
