@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..training import TrainConfig
+from ..training.config import flat_fields
 from .report import write_report
 from .runner import BudgetClash, run_experiment
 from .specs import BUDGETS, DEFAULT_ROOTS, REPORT_ROOT, SUBCOMMANDS
@@ -25,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
             "",
             "examples:",
             "  attnres experiment blocksize                  # quick pipeline check, into runs/experiments",
-            "  attnres experiment blocksize --budget full    # the committed tables, into results",
+            "  attnres experiment blocksize --preset full    # the committed tables, into results",
             "  attnres experiment report                     # results/README.md from results/*/results.json",
+            "  attnres experiment scaling --preset report --data corpus/   # the GPU-scale sweep",
         ]
     )
     p = argparse.ArgumentParser(
@@ -38,10 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("experiment", choices=tuple(SUBCOMMANDS), help="which experiment to run (or `report`)")
     p.add_argument(
-        "--budget",
+        "--preset",
+        "--budget",  # its first name, kept so the commands recorded in results/ still run
+        dest="preset",
         default=None,
         choices=tuple(BUDGETS),
-        help="size preset; quick: a pipeline check in seconds, full: hours (default: quick)",
+        help="size preset; quick: a pipeline check in seconds, full: the committed CPU runs (hours), "
+        "report: the GPU-scale scaling sweep (H200-hours, with --data) (default: quick)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="train every run on this text file/folder/glob instead of the built-in corpus "
+        "(the same as --override data=PATH)",
+    )
+    p.add_argument(
+        "--override",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a training/model option of every run (value parsed as JSON, else a string), e.g. "
+        "lr=1e-3 device=cuda; the runs are keyed by it, so they never mix with runs without it",
     )
     p.add_argument(
         "--root",
@@ -69,6 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["lr=1e-3", "device=cuda"]`` -> ``{"lr": 0.001, "device": "cuda"}`` (JSON values, else
+    strings). Raises ``ValueError`` naming ``--override`` for an item without ``=`` or a key that
+    is no training/model option."""
+    known = {ff.name for ff in flat_fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--override: expected KEY=VALUE, got {item!r}")
+        if key not in known or key in ("out", "resume", "seed"):
+            raise ValueError(f"--override: {key!r} is not an option a run of an experiment can set")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -83,22 +124,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.experiment == "report":
-        root = args.root or (DEFAULT_ROOTS[args.budget] if args.budget else REPORT_ROOT)
+        root = args.root or (DEFAULT_ROOTS[args.preset] if args.preset else REPORT_ROOT)
         try:
             print(write_report(root))
         except FileNotFoundError as exc:
             print(f"attnres experiment report: error: {exc}", file=sys.stderr)
             return 2
         return 0
-    budget = args.budget or "quick"
+    budget = args.preset or "quick"
     root = args.root or DEFAULT_ROOTS[budget]
     try:
+        overrides = parse_overrides(args.override + ([f"data={args.data}"] if args.data else []))
         result = run_experiment(
-            args.experiment, budget, root, args.only, shard, force=args.force, partial=args.partial
+            args.experiment,
+            budget,
+            root,
+            args.only,
+            shard,
+            force=args.force,
+            partial=args.partial,
+            overrides=overrides,
         )
     except BudgetClash as exc:
         print(f"attnres experiment: error: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:
+        p.error(str(exc))
     if result is not None:
         print((Path(root) / args.experiment / "table.md").read_text())
         print(

@@ -31,7 +31,7 @@ def write_report(root: str | Path = "results") -> Path:
         parts += [
             f"## {exp}",
             "",
-            f"Command: `{meta['command']}` — budget `{meta['budget']}`, corpus sha256 "
+            f"Command: `{meta['command']}` — preset `{meta['budget']}`, corpus sha256 "
             f"`{meta['corpus_sha256'][:16]}…`, total training time {meta['train_s_total'] / 60:.1f} min "
             f"({meta['machine']}).",
             "",

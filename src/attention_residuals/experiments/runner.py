@@ -18,7 +18,17 @@ from tqdm.auto import tqdm
 from ..training import load_summary, make_config, train
 from ..training.data import Corpus, load_corpus
 from .analyses import ANALYSES
-from .specs import BUDGETS, DEFAULT_ROOTS, EXPERIMENTS, Budget, RunSpec, corpus_tag, run_key, specs
+from .specs import (
+    BUDGETS,
+    DEFAULT_ROOTS,
+    EXPERIMENTS,
+    Budget,
+    RunSpec,
+    corpus_tag,
+    run_key,
+    specs,
+    with_overrides,
+)
 
 __all__ = ["BudgetClash", "check_budget", "run_experiment"]
 
@@ -64,7 +74,7 @@ def check_budget(exp_dir: str | Path, budget_name: str) -> None:
         raise BudgetClash(
             f"{path} holds results of the {old!r} budget; a {budget_name!r} run would replace "
             f"them. Use another --root (the default for {budget_name!r} is "
-            f"{DEFAULT_ROOTS.get(budget_name, 'runs/experiments')}), --budget {old}, or --force"
+            f"{DEFAULT_ROOTS.get(budget_name, 'runs/experiments')}), --preset {old}, or --force"
         )
 
 
@@ -122,7 +132,7 @@ def _meta(
         "experiment": experiment,
         "budget": budget_name,
         "budget_config": budget.__dict__,
-        "command": f"attnres experiment {experiment} --budget {budget_name} --root {root}",
+        "command": f"attnres experiment {experiment} --preset {budget_name} --root {root}",
         "corpus_sha256": corpora().info()["sha256"],
         "corpora_sha256": {
             corpus_tag(d): corpora(d).info()["sha256"]
@@ -143,6 +153,7 @@ def run_experiment(
     shard: tuple[int, int] | None = None,
     force: bool = False,
     partial: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> dict | None:
     """Train every run of ``experiment`` (skipping finished ones), then tabulate and plot.
 
@@ -152,7 +163,8 @@ def run_experiment(
     the tables still wait until every run of the experiment is finished. ``shard=(i, n)`` trains
     only every n-th run starting at i (for n parallel processes) and skips the tables.
     ``partial`` trains nothing and tabulates the runs finished so far (a long study's interim
-    tables; their meta counts the finished and the planned runs)."""
+    tables; their meta counts the finished and the planned runs). ``overrides`` set options of
+    every run (``{"data": PATH, "lr": 1e-3}``); they join its key, so such runs are their own."""
     if budget_name not in BUDGETS:
         raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
     if experiment not in EXPERIMENTS:
@@ -161,7 +173,11 @@ def run_experiment(
     budget, exp_dir = BUDGETS[budget_name], Path(root) / experiment
     if not force:
         check_budget(exp_dir, budget_name)
-    every = specs(experiment, budget)
+    every = (
+        [with_overrides(s, overrides) for s in specs(experiment, budget)]
+        if overrides
+        else specs(experiment, budget)
+    )
     wanted = set(only or ())
     todo = [s for s in every if not wanted or wanted & {s.variant, s.name, s.group}]
     corpora, t0 = _Corpora(), time.time()
@@ -187,6 +203,10 @@ def run_experiment(
         summaries.update({s.name: _finished(root, s, budget_name) for s in every if s.name not in summaries})
         todo = every
     meta = _meta(experiment, budget_name, budget, root, todo, summaries, corpora, t0)
+    if overrides:
+        meta["command"] += " --override " + " ".join(
+            f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()
+        )
     if partial:
         meta.update(command=meta["command"] + " --partial", runs_finished=len(todo), runs_planned=len(every))
     exp_dir.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,11 @@ Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -46,7 +49,7 @@ SUBCOMMANDS: dict[str, str] = {
 }
 EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
 # where an experiment writes when no --root is given: quick runs are scratch, full runs the committed results
-DEFAULT_ROOTS = {"quick": "runs/experiments", "full": "results"}
+DEFAULT_ROOTS = {"quick": "runs/experiments", "full": "results", "report": "runs/report"}
 REPORT_ROOT = "results"  # `attnres experiment report` without --root (and without --budget)
 
 # Values of the report (Kimi Linear 48B/3B scale), for side-by-side tables.
@@ -199,6 +202,35 @@ def study_steps(d: int, n_layer: int, n_head: int, tokens_per_param: float, budg
     return max(1, round(tokens / (budget.batch_size * budget.seq_len)))
 
 
+def _at_tokens_per_param(
+    shapes: tuple[tuple[int, int, int], ...], tokens_per_param: float, batch_size: int, seq_len: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """``(d_model, n_layer, n_head, steps)`` with the steps that train ``tokens_per_param`` tokens
+    per (PreNorm) parameter at ``batch_size`` x ``seq_len`` tokens a step."""
+    return tuple(
+        (d, n, h, max(1, round(tokens_per_param * baseline_params(d, n, h) / (batch_size * seq_len))))
+        for d, n, h in shapes
+    )
+
+
+# The GPU-scale recipe (`attnres experiment scaling --preset report --data PATH`): the scaling sweep at
+# 20 tokens per parameter, 3M-49M parameters (0.06B-1B tokens a run, ~1.8B tokens a variant), sized
+# for one H200 in hours at bf16 autocast. lr 2e-3 / warmup 200 are an untuned start for these widths:
+# `--override lr=...` to sweep. Byte tokens (vocab 256) on the user's text.
+BUDGETS["report"] = Budget(
+    steps=1000,
+    batch_size=64,
+    seq_len=512,
+    eval_interval=1000,
+    eval_batches=50,
+    seeds=1,
+    sizes=_at_tokens_per_param(((256, 4, 4), (384, 6, 6), (512, 8, 8), (640, 10, 10)), 20.0, 64, 512),
+    mid=(384, 6, 6),
+    lr=2e-3,
+    warmup=200,
+)
+
+
 def _study_schedule(steps: int, budget: Budget) -> dict:
     """Per-run schedule of a study run: its own full cosine over ``steps``, warmup 5 % (>= 2 steps),
     about ten evaluations and checkpoints."""
@@ -337,12 +369,24 @@ def specs(experiment: str, budget: Budget) -> list[RunSpec]:
     return _SPECS[experiment](budget)
 
 
+def with_overrides(spec: RunSpec, overrides: dict) -> RunSpec:
+    """``spec`` with ``overrides`` on top of its config (``attnres experiment --override``)."""
+    return dataclasses.replace(spec, overrides={**spec.overrides, **overrides})
+
+
 # options renamed since runs were first keyed: a key keeps the first spelling, so committed runs are found
 _KEY_SPELLING = {"depth_heads": "heads"}
 
 
+def _key_value(value: object) -> object:
+    """A path (``--data``) as its last part plus a hash of the whole: a key is one folder name."""
+    if isinstance(value, str) and ("/" in value or "\\" in value):
+        return f"{Path(value).name}~{hashlib.sha256(value.encode()).hexdigest()[:8]}"
+    return value
+
+
 def run_key(spec: RunSpec, budget_name: str) -> str:
     """Directory name of a run: its budget, config overrides and seed, spelled out."""
-    named = {_KEY_SPELLING.get(k, k): v for k, v in spec.overrides.items()}
+    named = {_KEY_SPELLING.get(k, k): _key_value(v) for k, v in spec.overrides.items()}
     parts = [budget_name] + [f"{k}={named[k]}" for k in sorted(named)] + [f"seed={spec.seed}"]
     return ",".join(parts).replace("=", "-").replace(",", "_")

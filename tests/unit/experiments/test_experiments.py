@@ -135,23 +135,23 @@ def test_default_root_is_scratch_for_quick_and_results_for_full(fake_training, c
     """`attnres experiment blocksize` (quick) leaves results/ alone; `--budget full` writes there with
     the command the committed README quotes."""
     tmp = fake_training
-    assert ex.DEFAULT_ROOTS == {"quick": "runs/experiments", "full": "results"}
+    assert ex.DEFAULT_ROOTS == {"quick": "runs/experiments", "full": "results", "report": "runs/report"}
     assert ex.main(["blocksize", "--budget", "full"]) == 0
     full = json.loads((tmp / "results" / "blocksize" / "results.json").read_text())
-    assert full["meta"]["command"] == "attnres experiment blocksize --budget full --root results"
+    assert full["meta"]["command"] == "attnres experiment blocksize --preset full --root results"
     before = (tmp / "results" / "blocksize" / "results.json").read_text()
     assert ex.main(["blocksize"]) == 0
     quick = json.loads((tmp / "runs" / "experiments" / "blocksize" / "results.json").read_text())
     assert quick["meta"]["budget"] == "quick"
-    assert quick["meta"]["command"] == "attnres experiment blocksize --budget quick --root runs/experiments"
+    assert quick["meta"]["command"] == "attnres experiment blocksize --preset quick --root runs/experiments"
     assert (tmp / "results" / "blocksize" / "results.json").read_text() == before
     assert not any((tmp / "results" / "runs").glob("quick*"))
     assert "experiment report --root runs/experiments" in capsys.readouterr().err
     # report: results/ by default, the budget's root when --budget is given
     assert ex.main(["report"]) == 0
-    assert "budget `full`" in (tmp / "results" / "README.md").read_text()
+    assert "preset `full`" in (tmp / "results" / "README.md").read_text()
     assert ex.main(["report", "--budget", "quick"]) == 0
-    assert "budget `quick`" in (tmp / "runs" / "experiments" / "README.md").read_text()
+    assert "preset `quick`" in (tmp / "runs" / "experiments" / "README.md").read_text()
     assert ex.main(["report", "--root", str(tmp / "nowhere")]) == 2
     assert "no such directory" in capsys.readouterr().err
 
@@ -223,3 +223,54 @@ def test_committed_runs_are_found_under_the_current_run_keys():
         for spec in ex.specs(name, ex.BUDGETS["full"]):
             run = root / "runs" / ex.run_key(spec, "full")
             assert (run / "summary.json").is_file(), (name, spec.name, run.name)
+
+
+def test_report_preset_is_20_tokens_per_param_and_smokes_on_cpu(tmp_path):
+    """The GPU-scale recipe, shrunk by --override so one CPU runs it in seconds: the same sizes
+    (depths), the user's --data, the scaling tables at the end."""
+    from attention_residuals.experiments.specs import baseline_params
+
+    preset = ex.BUDGETS["report"]
+    for d, n_layer, n_head, steps in preset.sizes:
+        tokens = steps * preset.batch_size * preset.seq_len
+        assert tokens / baseline_params(d, n_layer, n_head) == pytest.approx(20.0, rel=0.01)
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(800)))
+    overrides = [
+        "d_model=16",
+        "n_head=2",
+        "seq_len=16",
+        "batch_size=2",
+        "eval_batches=1",
+        "steps=2",
+        "warmup=1",
+        "eval_interval=2",
+        "device=cpu",
+    ]
+    argv = [
+        "scaling",
+        "--preset",
+        "report",
+        "--data",
+        str(text),
+        "--root",
+        str(tmp_path / "r"),
+        "--only",
+        "prenorm",
+        "block",
+        "--override",
+        *overrides,
+    ]
+    assert ex.main(argv) == 0  # --only: the tables wait until every run is done
+    res_dir = tmp_path / "r" / "runs"
+    runs = sorted(res_dir.iterdir())
+    assert len(runs) == 8 and all("data-corpus.txt~" in r.name for r in runs)
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["corpus"]["source"] == str(text) and summary["steps"] == 2
+
+
+def test_override_errors_name_the_flag(capsys):
+    for bad in (["lr"], ["nope=1"], ["out=x"]):
+        with pytest.raises(SystemExit) as e:
+            ex.main(["scaling", "--override", *bad])
+        assert e.value.code == 2 and "--override" in capsys.readouterr().err
