@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..model import GPT, GPTConfig
 from ..plotting import new_figure
@@ -216,16 +217,93 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
     return {"table": table}
 
 
-def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
+def _trained_model(run_dir: Path) -> GPT | None:
+    """The final model of a run directory, or ``None`` when its checkpoint is not there (the
+    committed runs keep only their config, metrics and summary)."""
+    if not (run_dir / "checkpoint.safetensors").is_file():
+        return None
+    cfg = json.loads((run_dir / "config.json").read_text())
+    model = GPT(GPTConfig.from_dict(cfg["model"]))
+    load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
+    return model.eval()
 
+
+def _depth_rows(todo, summaries, tpp_of, seq_len: int) -> list[dict]:
+    """:func:`dynamics.depth_weight_summary` of every finished AttnRes run whose checkpoint is
+    here, on one fixed batch of its own corpus's validation split."""
+    batches: dict[str, torch.Tensor] = {}
+    out = []
+    for spec in todo:
+        if spec.overrides.get("residual") == "prenorm":
+            continue
+        model = _trained_model(Path(summaries[spec.name]["run_dir"]))
+        if model is None:
+            continue
+        data = spec.overrides.get("data", "stdlib")
+        if data not in batches:
+            val = load_corpus(data, vocab_size=256).val
+            batches[data] = next(iter(eval_batches(val, n_batches=1, batch_size=8, seq_len=seq_len)))[0]
+        stats = dynamics.depth_weight_summary(model, batches[data])
+        out.append(
+            {
+                "group": spec.group,
+                "tokens_per_param": tpp_of[spec.name],
+                "variant": spec.variant,
+                "seed": spec.seed,
+                **stats,
+            }
+        )
+    return out
+
+
+def _depth_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Depth weights of the trained models (deeper half of the sublayers and the final readout; "
+        "mean over seeds): entropy H/log n (1 = the uniform mix they start at), weight on the embedding "
+        "and on the most recent source, and the pseudo-queries' logit scale mean ||w_l||·sqrt(d) (0 at "
+        "init). Multi-head rows: only the logit scale (the recorded weights average the heads, which "
+        "would read as uniform).",
+        "",
+        "| corpus, sublayers | tokens/param | variant | entropy ratio | on embedding | on latest | logit scale |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["group"], r["tokens_per_param"], r["variant"]) for r in rows})
+    for group, tpp, variant in keys:
+        mine = [r for r in rows if (r["group"], r["tokens_per_param"], r["variant"]) == (group, tpp, variant)]
+        mean = {
+            k: float(np.mean([r[k] for r in mine]))
+            for k in ("entropy_ratio", "embedding_weight", "latest_weight", "query_logit_scale")
+        }
+        multi = "_h" in variant
+        cells = (
+            ["—"] * 3
+            if multi
+            else [
+                f"{mean['entropy_ratio']:.3f}",
+                f"{mean['embedding_weight']:.3f}",
+                f"{mean['latest_weight']:.3f}",
+            ]
+        )
+        lines.append(
+            f"| {group} | {tpp:g} | {variant} | "
+            + " | ".join(cells)
+            + f" | {mean['query_logit_scale']:.2f} |"
+        )
+    return lines
+
+
+def _analysis(todo, summaries, exp_dir, budget, meta) -> dict:
     corpus = load_corpus(None, vocab_size=256)
     x, y = next(iter(eval_batches(corpus.val, n_batches=1, batch_size=8, seq_len=budget.seq_len)))
     out: dict[str, Any] = {}
     for spec in todo:
         run_dir = Path(summaries[spec.name]["run_dir"])
-        cfg = json.loads((run_dir / "config.json").read_text())
-        model = GPT(GPTConfig.from_dict(cfg["model"]))
-        load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
+        model = _trained_model(run_dir)
+        if model is None:
+            raise FileNotFoundError(f"analysis: {run_dir} has no checkpoint.safetensors to analyse")
         entry = {
             "magnitudes": dynamics.magnitudes(model, x),
             "grad_norms": dynamics.gradient_norms(model, x, y),
@@ -417,8 +495,10 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     ]
     if "runs_planned" in meta:
         lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
+    lines += _depth_table(depth)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
-    return {"rows": rows}
+    return {"rows": rows, "depth_weights": depth}
 
 
 def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
