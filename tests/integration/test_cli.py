@@ -166,9 +166,10 @@ def test_demo_tiny_writes_report_and_skips_finished(tmp_path, capsys):
     text = report.read_text()
     assert "| PreNorm baseline |" in text and "| Block AttnRes" in text and "sha256 `" in text
     assert "![loss curves](report_loss.png)" in text and "attnres demo --tiny" in text
+    assert "per seed" in text and "spread" in text and text.count("| Block AttnRes (S=2) |") == 2  # two seeds
     png = report.with_name("report_loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ck = out / "block" / "checkpoint.safetensors"
+    ck = out / "block_s1" / "checkpoint.safetensors"
     before = ck.stat().st_mtime_ns
     capsys.readouterr()
     assert cli.main(["demo", "--tiny", "--out", str(out), "--report", str(report), "--no-progress"]) == 0

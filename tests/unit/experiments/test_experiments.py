@@ -274,3 +274,18 @@ def test_override_errors_name_the_flag(capsys):
         with pytest.raises(SystemExit) as e:
             ex.main(["scaling", "--override", *bad])
         assert e.value.code == 2 and "--override" in capsys.readouterr().err
+
+
+def test_demo_runs_are_the_budget_studys_runs():
+    """The demo is a point of the committed study: its configs equal the study's, so it reproduces them."""
+    from attention_residuals.experiments.demo import DEMO_CONFIG, DEMO_RUNS, DEMO_SEEDS
+    from attention_residuals.training import make_config
+
+    full = ex.BUDGETS["full"]
+    study = {s.name: s for s in ex.specs("budget", full)}
+    for seed in DEMO_SEEDS:
+        for name, _, overrides in DEMO_RUNS:
+            spec = study[f"code_L12_tpp4_{name}_s{seed}"]
+            want = runner._train_config(spec, full, Path("x")).identity()
+            got = make_config(**DEMO_CONFIG, **overrides, seed=seed, out="x").identity()
+            assert got == want, name
