@@ -193,6 +193,7 @@ def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig):
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # batched generation continues every row at its end
+    tokenizer.init_kwargs["padding_side"] = "left"  # what save_pretrained writes
     return tokenizer, note
 
 
