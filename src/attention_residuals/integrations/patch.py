@@ -229,6 +229,42 @@ def _by_keyword(signature: inspect.Signature | None, hidden_states, args, kwargs
     return named
 
 
+def _resolve_layers(
+    model: nn.Module, layers: nn.ModuleList | str | None, names: tuple[str, str, str, str] | None
+) -> tuple[str, nn.ModuleList, tuple[str, str, str, str]]:
+    """The decoder layers :func:`apply_attnres` patches: ``(path, list, sublayer names)``."""
+    if isinstance(layers, str):
+        path, layer_list = layers, model.get_submodule(layers)
+        if not isinstance(layer_list, nn.ModuleList):
+            raise ValueError(
+                f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList"
+            )
+        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
+    elif isinstance(layers, nn.ModuleList):
+        layer_list = layers
+        path = next((p for p, m in model.named_modules() if m is layers), None)
+        if path is None:
+            raise ValueError("layers: this nn.ModuleList is not a submodule of model")
+        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
+    elif layers is None:
+        return find_decoder_layers(model, names)
+    else:
+        raise TypeError(
+            f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}"
+        )
+    return path, layer_list, names
+
+
+def _record_settings(model: nn.Module, settings: dict) -> None:
+    """On a ``transformers`` model: the settings into ``config.attnres``, and a ``save_pretrained``
+    that marks the saved folder as patched (:func:`_save_patched`)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_json_string"):  # a transformers model: save_pretrained keeps the settings
+        config.attnres = {**settings, "base_model_type": getattr(config, "model_type", None)}
+        if hasattr(model, "save_pretrained"):
+            object.__setattr__(model, "save_pretrained", types.MethodType(_save_patched, model))
+
+
 def apply_attnres(
     model: nn.Module,
     residual: str = "block",
@@ -270,25 +306,7 @@ def apply_attnres(
         raise ValueError(f"residual: expected one of {RESIDUALS}, got {residual!r}")
     if getattr(model, "attnres_patch", None) is not None:
         raise ValueError("model: AttnRes is already applied (remove_attnres(model) first)")
-    if isinstance(layers, str):
-        path, layer_list = layers, model.get_submodule(layers)
-        if not isinstance(layer_list, nn.ModuleList):
-            raise ValueError(
-                f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList"
-            )
-        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
-    elif isinstance(layers, nn.ModuleList):
-        layer_list = layers
-        path = next((p for p, m in model.named_modules() if m is layers), None)
-        if path is None:
-            raise ValueError("layers: this nn.ModuleList is not a submodule of model")
-        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
-    elif layers is None:
-        path, layer_list, names = find_decoder_layers(model, names)
-    else:
-        raise TypeError(
-            f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}"
-        )
+    path, layer_list, names = _resolve_layers(model, layers, names)
     owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     if hasattr(owner, _OWNER_ATTR):
         raise ValueError(f"model: {type(owner).__name__} already has an attribute {_OWNER_ATTR!r}")
@@ -325,11 +343,7 @@ def apply_attnres(
     }
     patch = AttnResPatch(residual, conn, layer_list, owner, names, n_sub, settings)
     object.__setattr__(model, "attnres_patch", patch)  # not a submodule: no duplicate parameters
-    config = getattr(model, "config", None)
-    if hasattr(config, "to_json_string"):  # a transformers model: save_pretrained keeps the settings
-        config.attnres = {**settings, "base_model_type": getattr(config, "model_type", None)}
-        if hasattr(model, "save_pretrained"):
-            object.__setattr__(model, "save_pretrained", types.MethodType(_save_patched, model))
+    _record_settings(model, settings)
     return model
 
 
@@ -402,9 +416,13 @@ def patched_class(base: type) -> type:
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, Connection):  # whatever was not loaded: a fresh rule's values
-            fresh = make_connection(module.config, module.n_layers, module.d_model, module.eps)
+            from transformers import initialization  # local: the hf extra; skips what was loaded
+
+            with torch.device("cpu"):
+                fresh = make_connection(module.config, module.n_layers, module.d_model, module.eps)
             for name, value in [*fresh.named_parameters(recurse=False), *fresh.named_buffers(recurse=False)]:
-                getattr(module, name).copy_(value)
+                target = getattr(module, name)
+                initialization.copy_(target, value.to(target.dtype))
         else:
             base._init_weights(self, module)
 

@@ -534,34 +534,13 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         """
         x = self._embed(input_ids, inputs_embeds)
         B, T = x.shape[:2]
-        cache = cache if cache is not None else past_key_values
-        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
-        if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            use_cache, cache = False, None  # a recomputed sublayer would write its keys twice
-        if use_cache and cache is None and not self.training:
-            cache = DynamicCache(config=self.config)
-        if not use_cache:
-            cache = None
+        cache = self._cache(cache if cache is not None else past_key_values, use_cache)
         past = int(cache.get_seq_length()) if cache is not None else 0
         mask = _attention_mask(attention_mask, B, T, past, x.device)
-        need = past + T
-        if position_ids is not None:
-            position_ids = position_ids.view(-1, T) if position_ids.ndim == 1 else position_ids
-            if not torch.compiler.is_compiling():
-                lo, hi = torch.aminmax(position_ids)
-                if int(lo) < 0:
-                    raise ValueError(f"position_ids: expected positions >= 0, got {int(lo)}")
-                need = max(need, int(hi) + 1)
-        cos, sin = self.model.rope(position_ids, past, T, need)
+        cos, sin = self._positions(position_ids, past, T)
         cfg = self.config
-        hidden = (
-            []
-            if (output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states)
-            else None
-        )
-        weights = (
-            [] if (output_attentions if output_attentions is not None else cfg.output_attentions) else None
-        )
+        hidden = [] if _flag(output_hidden_states, cfg.output_hidden_states) else None
+        weights = [] if _flag(output_attentions, cfg.output_attentions) else None
         out = self.model(x, cos, sin, cache, past, mask, hidden, weights)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.model.lm_head(out[:, keep, :])
@@ -580,6 +559,30 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
         )
         return_dict = cfg.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()
+
+    def _cache(self, cache: Cache | None, use_cache: bool | None) -> Cache | None:
+        """The cache this forward writes to: the given one, a new ``DynamicCache`` (eval with
+        ``use_cache``), or None (no cache, or recomputation under gradient checkpointing)."""
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if self.model.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return None  # a recomputed sublayer would write its keys twice
+        if not use_cache:
+            return None
+        if cache is None and not self.training:
+            cache = DynamicCache(config=self.config)
+        return cache
+
+    def _positions(self, position_ids: torch.Tensor | None, past: int, T: int):
+        """RoPE cos/sin of ``position_ids`` (checked: no negative position), default ``past..past+T-1``."""
+        need = past + T
+        if position_ids is not None:
+            position_ids = position_ids.view(-1, T) if position_ids.ndim == 1 else position_ids
+            if not torch.compiler.is_compiling():
+                lo, hi = torch.aminmax(position_ids)
+                if int(lo) < 0:
+                    raise ValueError(f"position_ids: expected positions >= 0, got {int(lo)}")
+                need = max(need, int(hi) + 1)
+        return self.model.rope(position_ids, past, T, need)
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
@@ -601,6 +604,10 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
                     f"input_ids: expected ids in 0..{self.config.vocab_size - 1}, got {int(lo)}..{int(hi)}"
                 )
         return self.model.embed(input_ids)
+
+
+def _flag(value: bool | None, default: bool | None) -> bool:
+    return bool(default if value is None else value)
 
 
 def _attention_mask(mask, B: int, T: int, past: int, device) -> torch.Tensor | None:
