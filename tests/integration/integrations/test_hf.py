@@ -240,6 +240,12 @@ def test_export_hf_dtype_and_tokenizer(tmp_path, idx):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert hf.model.embed.weight.dtype == torch.bfloat16
     loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    # generate stops at the tokenizer's end of text and pads with it (the tokenizer had no pad token)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == eot and generation["pad_token_id"] == eot
+    assert hf.generation_config.eos_token_id == eot and loaded.pad_token_id == eot
+    assert loaded.padding_side == "left"
     text = "def foo(bar): return bar"
     assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
 

@@ -314,3 +314,32 @@ def test_patched_llama_compiles_with_fullgraph(idx):
         eager = model(idx, use_cache=False).logits
         compiled = torch.compile(model, fullgraph=True, backend="eager")(idx, use_cache=False).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_patched_qwen2_and_gpt2_save_reload_exactly(tmp_path, idx, family):
+    if family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(config)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager")
+        model = GPT2LMHeadModel(config)
+    model = trained_patch(model.eval(), "full") if family == "qwen2" else model.eval()
+    if family == "gpt2":  # GPT-2's layers sit at transformer.h, the rule at transformer.attnres
+        apply_attnres(model, "block", block_size=2)
+        with torch.no_grad():
+            model.transformer.attnres.queries.add_(torch.randn_like(model.transformer.attnres.queries))
+    with torch.no_grad():
+        ref = model(idx).logits
+    model.save_pretrained(tmp_path)
+    loaded = load_patched(tmp_path, attn_implementation="eager").eval()
+    assert type(loaded).__mro__[1] is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx).logits, ref, rtol=0, atol=0)
