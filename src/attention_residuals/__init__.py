@@ -2,7 +2,8 @@
 
 from .connections import RESIDUALS, RULES, Connection, ResidualConfig, make_connection
 from .functional import DepthState, depth_state, depth_state_batched, merge_states, rms_norm
-from .integrations.patch import apply_attnres, remove_attnres
+from .integrations import autoregister as _autoregister
+from .integrations.patch import apply_attnres, load_patched, remove_attnres
 from .kernels import depth_attention
 from .model import GPT, GPTConfig
 
@@ -14,6 +15,7 @@ __all__ = [
     "Connection",
     "ResidualConfig",
     "apply_attnres",
+    "load_patched",
     "make_connection",
     "remove_attnres",
     "DepthState",
@@ -24,3 +26,5 @@ __all__ = [
     "rms_norm",
 ]
 __version__ = "0.1.0"
+
+_autoregister.install()  # the HF classes, once transformers loads its auto classes (never imports it)

@@ -24,9 +24,9 @@ embeddings, cache...) to the attention module exactly as the original layer woul
 patched layer returns is the *input of the next sublayer* (``h_{2i+2}``; the last layer returns
 ``residual.final(state)``), so what flows between layers is still an ordinary ``[B, T, d]``
 hidden state, the model's own final norm and head apply unchanged, and ``output_hidden_states``
-shows the AttnRes inputs. The depth sources (earlier layer outputs / block sums) travel with that
-tensor as the attribute ``attnres_state``; each layer copies the state before extending it, so a
-layer can be re-run (recomputation) without corrupting it.
+shows the AttnRes inputs. The depth sources (earlier layer outputs / block sums) live in one state
+object per forward, held by the patch (layer 0 starts it, the last layer drops it): plain Python
+state, so ``torch.compile(fullgraph=True)`` traces the patched forward without a graph break.
 
 Requirements (checked where possible; errors say what is wrong):
 
@@ -34,8 +34,11 @@ Requirements (checked where possible; errors say what is wrong):
   each layer returns its hidden-states tensor (the ``transformers`` >= 5 convention);
 * each layer has an attention module, an MLP and their two input norms (names auto-detected for
   Llama/Mistral/Qwen-style ``self_attn``/``mlp``/``input_layernorm``/``post_attention_layernorm``
-  and GPT-2/nanoGPT-style ``attn``/``mlp``/``ln_1``/``ln_2``; or pass them);
-* no gradient checkpointing of the decoder layers (the patched forward bypasses it).
+  and GPT-2/nanoGPT-style ``attn``/``mlp``/``ln_1``/``ln_2``; or pass them).
+
+Gradient checkpointing (``model.gradient_checkpointing_enable()``, before or after the patch)
+works: each sublayer is recomputed in backward (the depth sources are kept, as the residual
+stream is), the cache is off while it recomputes, as in ``transformers``.
 
 Example::
 
@@ -44,23 +47,44 @@ Example::
     model = apply_attnres(LlamaForCausalLM(LlamaConfig(...)), "block", n_blocks=4)
     model.generate(ids, max_new_tokens=20)     # the KV cache works as before
 
-Loading a trained patched model: build and patch the same architecture, then
-``load_state_dict`` (the ``...attnres.*`` keys belong to the patch).
+Saving and loading: on a ``transformers`` model, ``apply_attnres`` records its settings in
+``model.config.attnres`` and ``model.save_pretrained(path)`` writes them with the weights (the
+``...attnres.*`` tensors included) under ``"model_type": "attnres_patched"``, so that a plain
+``from_pretrained`` cannot silently return the model without AttnRes: ``AutoModelForCausalLM``
+refuses the folder, ``LlamaForCausalLM.from_pretrained`` warns of the model type. One call restores
+it exactly: :func:`load_patched` (``attention_residuals.load_patched(path)``), which is
+``from_pretrained`` of the patched class :func:`patched_class` (``patched_class(LlamaForCausalLM)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
+import os
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from ..connections import RESIDUALS, Connection, ResidualState, make_connection
+from ..connections import RESIDUALS, Connection, ResidualConfig, ResidualState, make_connection
 
-__all__ = ["AttnResPatch", "apply_attnres", "find_decoder_layers", "remove_attnres"]
+__all__ = [
+    "PATCHED_MODEL_TYPE",
+    "AttnResPatch",
+    "apply_attnres",
+    "find_decoder_layers",
+    "load_patched",
+    "patched_class",
+    "remove_attnres",
+]
+
+#: ``model_type`` of a saved patched model (a plain ``from_pretrained`` must not take it for the base)
+PATCHED_MODEL_TYPE = "attnres_patched"
+SETTINGS_FORMAT = 1
 
 #: (attention, mlp, attention input norm, mlp input norm) attribute names tried in order
 KNOWN_LAYOUTS: tuple[tuple[str, str, str, str], ...] = (
@@ -70,8 +94,8 @@ KNOWN_LAYOUTS: tuple[tuple[str, str, str, str], ...] = (
     ("attention", "feed_forward", "attention_norm", "ffn_norm"),  # Meta's llama reference code
 )
 
-STATE_ATTR = "attnres_state"
 _OWNER_ATTR = "attnres"
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
 
 
 @dataclasses.dataclass
@@ -84,6 +108,7 @@ class AttnResPatch:
     owner: nn.Module
     names: tuple[str, str, str, str]
     n_sublayers: int
+    settings: dict  # what load_patched needs to rebuild it (also model.config.attnres)
 
 
 def find_decoder_layers(
@@ -119,19 +144,17 @@ def _hidden_size(layer: nn.Module, norm_name: str) -> int:
     raise ValueError(f"layers: cannot read the hidden size from {norm_name}.weight; pass d_model=")
 
 
-def _copy_state(state: ResidualState) -> ResidualState:
-    """A copy whose lists/dicts can be extended without touching ``state`` (tensors are shared)."""
-    new = dataclasses.replace(state)
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        if isinstance(value, list | dict):
-            setattr(new, f.name, type(value)(value))
-    return new
-
-
 def _first(output):
     """A sublayer's output tensor (attention modules often return ``(output, weights)``)."""
     return output[0] if isinstance(output, tuple | list) else output
+
+
+class _Run:
+    """The depth state of the forward in progress (layer 0 sets it, the last layer clears it) and
+    the tensor the previous layer returned (the next must receive that very tensor)."""
+
+    state: ResidualState | None = None
+    out: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -141,6 +164,7 @@ class _LayerSpec:
     names: tuple[str, str, str, str]
     signature: inspect.Signature | None
     original: Callable
+    run: _Run
 
 
 def _patched_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -154,48 +178,91 @@ def _patched_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwar
     conn: Connection = self._attnres_connection
     attn_name, mlp_name, attn_norm_name, mlp_norm_name = spec.names
     if args:  # name them as the original layer would, then hand them on by keyword
-        if spec.signature is None:
-            raise TypeError("patched decoder layer: pass the extra arguments by keyword")
-        bound = spec.signature.bind_partial(hidden_states, *args, **kwargs)
-        kwargs = dict(bound.arguments)
-        kwargs.pop(next(iter(spec.signature.parameters)))
-        for name, p in spec.signature.parameters.items():  # the original's **kwargs: flatten them
-            if p.kind is inspect.Parameter.VAR_KEYWORD and name in kwargs:
-                kwargs.update(kwargs.pop(name))
+        kwargs = _by_keyword(spec.signature, hidden_states, args, kwargs)
+    run = spec.run
     if spec.index == 0:
-        state = conn.init_state(hidden_states)
+        state = run.state = conn.init_state(hidden_states)
         h = conn.read(state, 0)
     else:
-        incoming = getattr(hidden_states, STATE_ATTR, None)
-        if incoming is None:
+        state = run.state
+        if state is None or hidden_states is not run.out:
             raise RuntimeError(
-                f"AttnRes decoder layer {spec.index}: its input carries no depth state. The patched layers "
-                "must run in order from layer 0, each receiving the tensor the previous one returned (a "
-                "module between them replaced it, or gradient checkpointing detached it)"
+                f"AttnRes decoder layer {spec.index}: its input is not the tensor the previous patched layer "
+                "returned, so its depth state is unknown. The patched layers must run in order from layer 0, "
+                "each receiving the tensor the previous one returned (a module between them replaced it?)"
             )
-        state = _copy_state(incoming)
         h = hidden_states
+    attn, attn_norm = getattr(self, attn_name), getattr(self, attn_norm_name)
+    mlp, mlp_norm = getattr(self, mlp_name), getattr(self, mlp_norm_name)
     l = 2 * spec.index
-    conn.write(state, l, _first(getattr(self, attn_name)(getattr(self, attn_norm_name)(h), **kwargs)))
-    h = conn.read(state, l + 1)
-    conn.write(state, l + 1, _first(getattr(self, mlp_name)(getattr(self, mlp_norm_name)(h))))
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        # transformers' checkpointing of the layer is bypassed by the patched forward: recompute
+        # each sublayer here instead (the depth sources stay saved, as the residual stream would)
+        kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items() if k != "use_cache"}
+        ckpt = self._gradient_checkpointing_func
+        conn.write(state, l, ckpt(functools.partial(_sublayer, attn, attn_norm, **kwargs), h))
+        conn.write(state, l + 1, ckpt(functools.partial(_sublayer, mlp, mlp_norm), conn.read(state, l + 1)))
+    else:
+        conn.write(state, l, _sublayer(attn, attn_norm, h, **kwargs))
+        conn.write(state, l + 1, _sublayer(mlp, mlp_norm, conn.read(state, l + 1)))
     if spec.last:
+        run.state = run.out = None
         return conn.final(state)
-    # a fresh tensor object carries the state: a source held by the state itself (PreNorm's running
-    # sum) would otherwise point back at the state, a reference cycle that delays freeing memory
-    out = conn.read(state, l + 2).view_as(h)
-    setattr(out, STATE_ATTR, state)
+    out = run.out = conn.read(state, l + 2)
     return out
 
 
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether ``transformers`` gradient (activation) checkpointing is on anywhere in ``model``."""
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        return True
-    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # newer name first
-        if isinstance(getattr(type(model), attr, None), property):
-            return bool(getattr(model, attr))
-    return False
+def _sublayer(module: nn.Module, norm: nn.Module, h: torch.Tensor, **kwargs) -> torch.Tensor:
+    return _first(module(norm(h), **kwargs))
+
+
+def _by_keyword(signature: inspect.Signature | None, hidden_states, args, kwargs) -> dict:
+    """The extra arguments of a layer call, named as the original layer's signature names them."""
+    if signature is None:
+        raise TypeError("patched decoder layer: pass the extra arguments by keyword")
+    bound = signature.bind_partial(hidden_states, *args, **kwargs)
+    named = dict(bound.arguments)
+    named.pop(next(iter(signature.parameters)))
+    for name, p in signature.parameters.items():  # the original's **kwargs: flatten them
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    return named
+
+
+def _resolve_layers(
+    model: nn.Module, layers: nn.ModuleList | str | None, names: tuple[str, str, str, str] | None
+) -> tuple[str, nn.ModuleList, tuple[str, str, str, str]]:
+    """The decoder layers :func:`apply_attnres` patches: ``(path, list, sublayer names)``."""
+    if isinstance(layers, str):
+        path, layer_list = layers, model.get_submodule(layers)
+        if not isinstance(layer_list, nn.ModuleList):
+            raise ValueError(
+                f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList"
+            )
+        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
+    elif isinstance(layers, nn.ModuleList):
+        layer_list = layers
+        path = next((p for p, m in model.named_modules() if m is layers), None)
+        if path is None:
+            raise ValueError("layers: this nn.ModuleList is not a submodule of model")
+        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
+    elif layers is None:
+        return find_decoder_layers(model, names)
+    else:
+        raise TypeError(
+            f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}"
+        )
+    return path, layer_list, names
+
+
+def _record_settings(model: nn.Module, settings: dict) -> None:
+    """On a ``transformers`` model: the settings into ``config.attnres``, and a ``save_pretrained``
+    that marks the saved folder as patched (:func:`_save_patched`)."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_json_string"):  # a transformers model: save_pretrained keeps the settings
+        config.attnres = {**settings, "base_model_type": getattr(config, "model_type", None)}
+        if hasattr(model, "save_pretrained"):
+            object.__setattr__(model, "save_pretrained", types.MethodType(_save_patched, model))
 
 
 def apply_attnres(
@@ -239,27 +306,7 @@ def apply_attnres(
         raise ValueError(f"residual: expected one of {RESIDUALS}, got {residual!r}")
     if getattr(model, "attnres_patch", None) is not None:
         raise ValueError("model: AttnRes is already applied (remove_attnres(model) first)")
-    if _checkpointing(model):
-        raise ValueError("model: gradient checkpointing is enabled; disable it before apply_attnres")
-    if isinstance(layers, str):
-        path, layer_list = layers, model.get_submodule(layers)
-        if not isinstance(layer_list, nn.ModuleList):
-            raise ValueError(
-                f"layers: {layers!r} is a {type(layer_list).__name__}, expected an nn.ModuleList"
-            )
-        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
-    elif isinstance(layers, nn.ModuleList):
-        layer_list = layers
-        path = next((p for p, m in model.named_modules() if m is layers), None)
-        if path is None:
-            raise ValueError("layers: this nn.ModuleList is not a submodule of model")
-        _, _, names = find_decoder_layers(nn.ModuleDict({"layers": layer_list}), names)
-    elif layers is None:
-        path, layer_list, names = find_decoder_layers(model, names)
-    else:
-        raise TypeError(
-            f"layers: expected an nn.ModuleList, a dotted path or None, got {type(layers).__name__}"
-        )
+    path, layer_list, names = _resolve_layers(model, layers, names)
     owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     if hasattr(owner, _OWNER_ATTR):
         raise ValueError(f"model: {type(owner).__name__} already has an attribute {_OWNER_ATTR!r}")
@@ -274,18 +321,29 @@ def apply_attnres(
         conn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
     owner.add_module(_OWNER_ATTR, conn)
 
+    run = _Run()
     for i, layer in enumerate(layer_list):
         original = layer.forward
         try:
             signature = inspect.signature(original)
         except (TypeError, ValueError):  # pragma: no cover - builtins
             signature = None
-        spec = _LayerSpec(i, i == len(layer_list) - 1, names, signature, original)
+        spec = _LayerSpec(i, i == len(layer_list) - 1, names, signature, original, run)
         object.__setattr__(layer, "_attnres_spec", spec)
         object.__setattr__(layer, "_attnres_connection", conn)
         object.__setattr__(layer, "forward", types.MethodType(_patched_forward, layer))
-    patch = AttnResPatch(residual, conn, layer_list, owner, names, n_sub)
+    settings = {
+        "format": SETTINGS_FORMAT,
+        "residual": conn.config.to_dict(),
+        "layers": path,
+        "names": list(names),
+        "d_model": d,
+        "eps": eps,
+        "base_architecture": getattr(type(model), "_attnres_base", type(model)).__name__,
+    }
+    patch = AttnResPatch(residual, conn, layer_list, owner, names, n_sub, settings)
     object.__setattr__(model, "attnres_patch", patch)  # not a submodule: no duplicate parameters
+    _record_settings(model, settings)
     return model
 
 
@@ -299,4 +357,102 @@ def remove_attnres(model: nn.Module) -> nn.Module:
             object.__delattr__(layer, attr)
     delattr(patch.owner, _OWNER_ATTR)
     object.__delattr__(model, "attnres_patch")
+    if "save_pretrained" in model.__dict__:
+        object.__delattr__(model, "save_pretrained")
+    config = getattr(model, "config", None)
+    if hasattr(config, "attnres"):
+        del config.attnres
     return model
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *args, **kwargs):
+    """``save_pretrained`` of a patched model: the class's, then ``config.json`` marked as patched."""
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    path = Path(save_directory) / "config.json"
+    if path.is_file():
+        from ..training.checkpoint import _atomic_write  # local: training is a higher floor's concern
+
+        record = json.loads(path.read_text())
+        record["model_type"] = PATCHED_MODEL_TYPE
+        record["attnres"] = model.config.attnres
+        _atomic_write(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), False)
+    return result
+
+
+def _connection_options(settings: dict) -> dict:
+    """``apply_attnres`` keywords from recorded settings (checked: errors name the field)."""
+    if settings.get("format") != SETTINGS_FORMAT:
+        raise ValueError(f"attnres: settings format {settings.get('format')!r} is not {SETTINGS_FORMAT}")
+    residual = ResidualConfig.from_dict(settings["residual"]).to_dict()
+    rule = residual.pop("rule")
+    return {
+        "residual": rule,
+        **residual,
+        "layers": settings["layers"],
+        "names": tuple(settings["names"]),
+        "d_model": settings["d_model"],
+        "eps": settings["eps"],
+    }
+
+
+@functools.cache
+def patched_class(base: type) -> type:
+    """``base`` (a ``transformers`` model class) whose ``__init__`` applies the AttnRes patch that
+    ``config.attnres`` records: ``patched_class(LlamaForCausalLM).from_pretrained(path)`` builds the
+    patched model and loads every weight, the ``attnres`` ones included."""
+
+    def __init__(self, config, *args, **kwargs):
+        base.__init__(self, config, *args, **kwargs)
+        settings = getattr(config, "attnres", None)
+        if not isinstance(settings, dict):
+            raise ValueError(
+                f"config.attnres: {type(self).__name__} needs the AttnRes settings, got {settings!r}"
+            )
+        apply_attnres(self, **_connection_options(settings))
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, Connection):  # whatever was not loaded: a fresh rule's values
+            from transformers import initialization  # local: the hf extra; skips what was loaded
+
+            with torch.device("cpu"):
+                fresh = make_connection(module.config, module.n_layers, module.d_model, module.eps)
+            for name, value in [*fresh.named_parameters(recurse=False), *fresh.named_buffers(recurse=False)]:
+                target = getattr(module, name)
+                initialization.copy_(target, value.to(target.dtype))
+        else:
+            base._init_weights(self, module)
+
+    body = {"__init__": __init__, "_init_weights": _init_weights, "_attnres_base": base}
+    return type(f"AttnRes{base.__name__}", (base,), body)
+
+
+def load_patched(path: str | os.PathLike, **kwargs) -> nn.Module:
+    """Load a model that :func:`apply_attnres` patched and ``save_pretrained`` saved, exactly: the
+    base architecture, patched the same way, every weight loaded (``kwargs`` go to
+    ``from_pretrained``: ``dtype``, ``device_map``...)."""
+    import transformers  # local: the hf extra
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config_json = path / "config.json"
+    if not config_json.is_file():
+        raise ValueError(f"path {str(path)!r}: no config.json (not a saved model folder)")
+    record = json.loads(config_json.read_text())
+    settings = record.pop("attnres", None)
+    if record.get("model_type") != PATCHED_MODEL_TYPE or not isinstance(settings, dict):
+        raise ValueError(
+            f"path {str(path)!r}: not a model saved with apply_attnres (model_type {record.get('model_type')!r}, "
+            f"expected {PATCHED_MODEL_TYPE!r} with an 'attnres' entry)"
+        )
+    base_type, arch = settings.get("base_model_type"), settings.get("base_architecture")
+    base = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if base is None or base_type is None:
+        raise ValueError(f"attnres: base model {arch!r} / {base_type!r} is not a transformers class")
+    record.pop("model_type")
+    config = AutoConfig.for_model(base_type, **record)
+    config.attnres = settings
+    return patched_class(base).from_pretrained(path, config=config, **kwargs)

@@ -1,12 +1,20 @@
 """apply_attnres: AttnRes in place of the residuals of someone else's pre-norm Transformer."""
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.nn as nn
 
-from attention_residuals.integrations.patch import apply_attnres, find_decoder_layers, remove_attnres
+from attention_residuals.integrations.patch import (
+    PATCHED_MODEL_TYPE,
+    apply_attnres,
+    find_decoder_layers,
+    load_patched,
+    patched_class,
+    remove_attnres,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -173,7 +181,7 @@ def test_patch_errors():
     with pytest.raises(ValueError, match="no nn.ModuleList"):
         apply_attnres(nn.Sequential(nn.Linear(4, 4)), "block")
     layer = model.model.layers[1]
-    with pytest.raises(RuntimeError, match="no depth state"):
+    with pytest.raises(RuntimeError, match="depth state is unknown"):
         layer(torch.zeros(1, 3, 32))  # a middle layer called on its own
 
 
@@ -229,3 +237,109 @@ def test_generic_pre_norm_model():
         assert model.attnres.queries.shape == (9, 16)
         out = model(idx, 0.5)
     assert out.shape == ref.shape and not torch.allclose(out, ref)
+
+
+def trained_patch(model, residual="block", **kw):
+    """Patched, with depth parameters away from their zero init."""
+    apply_attnres(model, residual, **kw)
+    with torch.no_grad():
+        for p in model.model.attnres.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def test_patched_llama_save_reload_is_exact_and_a_plain_load_is_refused(tmp_path, idx, caplog):
+    from transformers import AutoModelForCausalLM
+
+    model = trained_patch(tiny_llama(), "block", block_size=2, key_norm_gain=True)
+    with torch.no_grad():
+        ref = model(idx).logits
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["model_type"] == PATCHED_MODEL_TYPE
+    assert (
+        record["attnres"]["residual"]["rule"] == "block" and record["attnres"]["base_model_type"] == "llama"
+    )
+    eager = {"attn_implementation": "eager"}  # as tiny_llama (sdpa would differ in the last bits)
+    for loaded in (
+        load_patched(tmp_path, **eager),
+        patched_class(LlamaForCausalLM).from_pretrained(tmp_path, **eager),
+    ):
+        loaded.eval()
+        assert isinstance(loaded, LlamaForCausalLM) and loaded.attnres_patch.residual == "block"
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(idx).logits, ref, rtol=0, atol=0)
+    # saved again from the reloaded model: still a patched folder that reloads exactly
+    load_patched(tmp_path).save_pretrained(tmp_path / "again")
+    with torch.no_grad():
+        again = load_patched(tmp_path / "again", **eager).eval()
+        torch.testing.assert_close(again(idx).logits, ref, rtol=0, atol=0)
+    # a plain load does not silently drop AttnRes: the auto class refuses, the base class warns
+    with pytest.raises(ValueError, match="load_patched"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    assert PATCHED_MODEL_TYPE in caplog.text
+    tiny_llama().save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="not a model saved with apply_attnres"):
+        load_patched(tmp_path / "plain")
+
+
+def test_gradient_checkpointing_of_a_patched_llama_works(idx):
+    model = trained_patch(tiny_llama(), "full")
+    model.train()
+
+    def grads():
+        model.zero_grad()
+        model(idx, labels=idx).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads()
+    model.gradient_checkpointing_enable()
+    calls = []
+    for layer in model.model.layers:
+        inner = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, _f=inner, **k: calls.append(1) or _f(*a, **k)
+    got = grads()
+    assert len(calls) == 2 * N_LAYERS  # each sublayer recomputed in backward
+    assert got.keys() == ref.keys() and "model.attnres.queries" in got
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_patched_llama_compiles_with_fullgraph(idx):
+    model = trained_patch(tiny_llama(), "block", block_size=2)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(idx, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(idx, use_cache=False).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_patched_qwen2_and_gpt2_save_reload_exactly(tmp_path, idx, family):
+    if family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(config)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, attn_implementation="eager")
+        model = GPT2LMHeadModel(config)
+    model = trained_patch(model.eval(), "full") if family == "qwen2" else model.eval()
+    if family == "gpt2":  # GPT-2's layers sit at transformer.h, the rule at transformer.attnres
+        apply_attnres(model, "block", block_size=2)
+        with torch.no_grad():
+            model.transformer.attnres.queries.add_(torch.randn_like(model.transformer.attnres.queries))
+    with torch.no_grad():
+        ref = model(idx).logits
+    model.save_pretrained(tmp_path)
+    loaded = load_patched(tmp_path, attn_implementation="eager").eval()
+    assert type(loaded).__mro__[1] is type(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx).logits, ref, rtol=0, atol=0)
