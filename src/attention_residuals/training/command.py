@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..commands import fail
 from ..parallel import data_parallel as _dp
 from .args import config_from_args
 from .checkpoint import CheckpointError
@@ -15,13 +16,13 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 (trained), 2 (bad input: the message names it), 130 (stopped by Ctrl-C, resumable)."""
+    """Exit status 0 (trained), 2 (bad input or a file that cannot be written: one line naming it),
+    130 (stopped by Ctrl-C, resumable)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         summary = train(config_from_args(argv))
-    except (ValueError, FileNotFoundError, RunError, CheckpointError) as e:
-        print(f"attnres train: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, RunError, CheckpointError) as e:
+        return fail("attnres train", e)
     if not _dp.is_main():
         return 0
     print(

@@ -37,17 +37,20 @@ from ..parallel.dist import DistEnv
 from .checkpoint import load_latest, save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
 from .data import Corpus, eval_batches, get_batch, load_corpus
+from .files import open_append
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 from .run import (
     CHECKPOINT_FILE,
     METRICS_FILE,
     SUMMARY_FILE,
     RunError,
+    checkpoint_check,
     clear_run,
     command_line,
     log,
     plan_run,
     run_identity,
+    run_lock,
     run_record,
     start_run_files,
     truncate_metrics,
@@ -85,6 +88,8 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {name!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {name!r} requested but there are {torch.cuda.device_count()} CUDA devices")
     return dev
 
 
@@ -133,6 +138,7 @@ def load_corpus_for(cfg: TrainConfig) -> Corpus:
         vocab_size=cfg.model.vocab_size,
         val_fraction=cfg.val_fraction,
         cache_dir=cfg.cache_dir,
+        trust_remote_code=cfg.trust_remote_code,
     )
     return corpus
 
@@ -328,7 +334,7 @@ class MetricsWriter:
     """Appends the rows of ``metrics.jsonl`` (on rank 0; elsewhere it writes nothing)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
-        self._file = open(path, "a") if enabled else None  # closed by __exit__
+        self._file = open_append(path) if enabled else None  # closed by __exit__; never via a symlink
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -407,7 +413,11 @@ def resume_state(ctx: RunContext, state: TrainState) -> None:
     """Load the newest good checkpoint into ``state`` (RNG included) and drop the metrics rows
     written after it."""
     info, warnings = load_latest(
-        ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
+        ctx.out / CHECKPOINT_FILE,
+        model=state.model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        check_config=checkpoint_check(ctx.identity),  # a checkpoint copied from another run is refused
     )
     for w in warnings:
         log(f"warning: {w}")
@@ -545,13 +555,16 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
 
     ``corpus`` overrides ``cfg.data`` (sweeps load a corpus once and share it). Raises
     ``ValueError`` for a bad config, ``FileNotFoundError``/``ValueError`` for bad ``--data``,
-    :class:`RunError` for an occupied run directory, :class:`ConfigMismatchError` when resuming
-    with another config, and ``CheckpointError`` when no good checkpoint is left.
+    :class:`RunError` for an occupied run directory (:class:`RunLockedError`: another training
+    writes it), :class:`ConfigMismatchError` when resuming with another config, and
+    ``CheckpointError`` when no good checkpoint is left (``CheckpointMismatchError``: the
+    checkpoint is another run's).
     """
     cfg = absolute_paths(cfg.validate())
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
-        return _train(cfg, corpus, env)
+        with run_lock(cfg.out, enabled=env.is_main):  # one writer per run directory
+            return _train(cfg, corpus, env)
     finally:
         _dp.teardown()
 
@@ -562,9 +575,11 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     if plan.finished is not None:
         return plan.finished
     _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
+    state = build_state(
+        cfg, ctx.device
+    )  # before any file is deleted: a model that fails to build loses nothing
     if plan.clear and ctx.is_main:
         clear_run(ctx.out)
-    state = build_state(cfg, ctx.device)
     if plan.resume:
         resume_state(ctx, state)
     elif ctx.is_main:
