@@ -104,6 +104,7 @@ TRAIN_FLAGS = [
     (["--vocab-size", "0"], "vocab_size"),
     (["--vocab-size", "100"], "vocab_size"),  # the byte corpus needs 256
     (["--mlp-hidden", "0"], "mlp_hidden"),
+    (["--mlp-hidden", str(10**12)], "out of memory"),  # a raw allocator error before
     (["--rope-theta", "nan"], "rope_theta"),
     (["--norm-eps", "0"], "norm_eps"),
     (["--init-std", "-1"], "init_std"),

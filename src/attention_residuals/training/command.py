@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
 from ..commands import fail
 from ..parallel import data_parallel as _dp
 from .args import config_from_args
@@ -12,7 +14,12 @@ from .checkpoint import CheckpointError
 from .loop import train
 from .run import RunError
 
-__all__ = ["main"]
+__all__ = ["main", "out_of_memory"]
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """True for an allocation failure (torch's CPU allocator raises a plain RuntimeError)."""
+    return isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(config_from_args(argv))
     except (ValueError, OSError, RunError, CheckpointError) as e:
         return fail("attnres train", e)
+    except (MemoryError, RuntimeError) as e:  # a model too big for the machine: say so in one line
+        if not out_of_memory(e):
+            raise
+        return fail("attnres train", f"out of memory building or training the model (smaller sizes?): {e}")
     if not _dp.is_main():
         return 0
     print(
