@@ -131,7 +131,9 @@ _BOUND_TESTS = {
 
 def _expected(integer: bool, bounds: dict[str, float], optional: bool) -> str:
     kind = "an integer" if integer else "a finite number"
-    rule = " and ".join(f"{_BOUND_WORDS[k]} {b:g}" for k, b in bounds.items())
+    rule = " and ".join(
+        f"{_BOUND_WORDS[k]} {b if isinstance(b, int) else f'{b:g}'}" for k, b in bounds.items()
+    )
     return f"{kind}{' ' + rule if rule else ''}{' or None' if optional else ''}"
 
 

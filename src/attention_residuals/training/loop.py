@@ -575,9 +575,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     if plan.finished is not None:
         return plan.finished
     _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
-    state = build_state(
-        cfg, ctx.device
-    )  # before any file is deleted: a model that fails to build loses nothing
+    # built before any file is deleted: a model that fails to build loses nothing
+    state = build_state(cfg, ctx.device)
     if plan.clear and ctx.is_main:
         clear_run(ctx.out)
     if plan.resume:
