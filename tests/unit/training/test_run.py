@@ -11,8 +11,8 @@ import pytest
 
 from attention_residuals.training import RunError, RunLockedError, make_config, read_metrics, train
 from attention_residuals.training.data import Corpus
-from attention_residuals.training.files import atomic_write, open_append, sweep_temp_files
-from attention_residuals.training.run import LOCK_FILE, run_lock, write_json
+from attention_residuals.training.files import sweep_temp_files
+from attention_residuals.training.run import LOCK_FILE, run_lock
 
 TEXT = "".join(f"def f{i}(x):\n    return x + {i % 17}\n\n" for i in range(300))
 RUN_FILES = {
@@ -157,32 +157,6 @@ def test_symlinked_run_files_are_replaced_not_written_through(tmp_path, corpus):
     (out / "metrics.jsonl").symlink_to(victim)
     assert train(tiny(out, resume=True), corpus=corpus)["done"]
     assert victim.read_text() == "precious" and not (out / "metrics.jsonl").is_symlink()
-
-
-def test_open_append_refuses_a_symlink(tmp_path):
-    victim = tmp_path / "victim"
-    victim.write_text("x")
-    (tmp_path / "link").symlink_to(victim)
-    with pytest.raises(OSError):
-        open_append(tmp_path / "link")
-    assert victim.read_text() == "x"
-
-
-def test_atomic_write_keeps_the_old_file_when_cut_short(tmp_path, monkeypatch):
-    path = tmp_path / "config.json"
-    write_json(path, {"a": 1})
-    mode = path.stat().st_mode & 0o777
-
-    def fail(*a):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "fsync", fail)
-    with pytest.raises(OSError, match="disk full"):
-        write_json(path, {"a": 2})
-    monkeypatch.undo()
-    assert json.loads(path.read_text()) == {"a": 1} and os.listdir(tmp_path) == ["config.json"]
-    atomic_write(path, "{}")
-    assert path.stat().st_mode & 0o777 == mode  # as readable as a plain write made it
 
 
 def test_stale_temp_files_are_swept_only_for_run_files(tmp_path, corpus):
