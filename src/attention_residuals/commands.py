@@ -3,15 +3,20 @@
 A table maps name -> (target, one-line help); the target is ``"module"`` (its ``main``) or
 ``"module:function"``, imported only when chosen, so a missing optional extra only matters for the
 sub-command that needs it. Low in the import order: it imports none of the project's modules.
+
+:class:`Parser` and :func:`fail` are how a command reports bad input: one line on stderr,
+``<prog>: error: <what is wrong>``, and exit status 2 — never a traceback, never the long usage.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
-__all__ = ["Help", "listing", "usage_text", "dispatch"]
+__all__ = ["Help", "Parser", "dispatch", "error_line", "fail", "listing", "usage_text"]
 
 Help = str | Callable[[], str]
 
@@ -65,3 +70,23 @@ def dispatch(prog: str, commands: dict[str, tuple[str, Help]], argv: list[str], 
         print(f"{prog} {name}: not available ({commands[name][0]}: {exc})", file=sys.stderr)
         return 2
     return int(func(rest) or 0)
+
+
+def error_line(prog: str, error: BaseException | str) -> str:
+    """``<prog>: error: <message>`` on one line (a message spanning lines is joined with ``; ``)."""
+    text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{prog}: error: {text}"
+
+
+def fail(prog: str, error: BaseException | str) -> int:
+    """Print :func:`error_line` to stderr; returns 2, the exit status of bad input."""
+    print(error_line(prog, error), file=sys.stderr)
+    return 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (:func:`error_line`, pointing at ``--help``)
+    instead of the whole usage followed by the message; exit status 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, error_line(self.prog, f"{message} (see {self.prog} --help)") + "\n")

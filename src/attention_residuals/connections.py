@@ -48,7 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .functional import DepthState, activation_dtype, depth_logits, rms_norm, stack_sources
 from .kernels import depth_attention, depth_attention_merged, depth_states_batched
-from .typed import check_choices, check_field_types, field_default, option
+from .typed import check_choices, check_field_types, check_number, field_default, option
 
 __all__ = [
     "RESIDUALS",
@@ -681,6 +681,9 @@ def make_connection(
     for old, new in LEGACY_NAMES.items():
         if old in options:
             raise TypeError(f"make_connection: {old}= is now {new}= ({new!r}: see ResidualConfig)")
+    check_number("n_layers", n_layers, integer=True, ge=1)
+    check_number("d_model", d_model, integer=True, ge=1)
+    check_number("eps", eps, ge=0)
     if isinstance(residual, ResidualConfig):
         if options:
             residual = residual.replace(**options)

@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .connections import LEGACY_NAMES, ResidualConfig, make_connection, resolve_block_size
-from .typed import check_field_types, option
+from .typed import check_field_types, check_number, option
 
-__all__ = ["GPTConfig", "GPT", "KVCache"]
+__all__ = ["GPTConfig", "GPT", "KVCache", "check_sampling"]
 
 
 @dataclass
@@ -209,6 +209,14 @@ class _Sublayer:
         return self.layer(self.norm(h), self.cos, self.sin)
 
 
+def check_sampling(temperature: float, top_k: int | None) -> None:
+    """``ValueError`` naming the argument unless ``temperature`` is finite and >= 0 (a negative
+    one would sample the least likely tokens, NaN or inf garbage) and ``top_k`` an int >= 1 or
+    None."""
+    check_number("temperature", temperature, ge=0)
+    check_number("top_k", top_k, integer=True, optional=True, ge=1)
+
+
 class GPT(nn.Module):
     """Decoder-only LM; ``config.residual`` picks the depth-mixing rule (see connections)."""
 
@@ -373,8 +381,8 @@ class GPT(nn.Module):
         prefill runs ``schedule`` (default :meth:`inference_schedule`: the exact two-phase schedule
         where the rule has it); the tokens after it, one position each, the plain one.
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
+        check_number("max_new_tokens", max_new_tokens, integer=True, ge=0)
+        check_sampling(temperature, top_k)
         self._check_ids(idx)  # once: the sampled ids are in range by construction
         if idx.shape[1] + max_new_tokens > self.config.seq_len:
             raise ValueError(

@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from ..files import atomic_write, fsync_dir
 from ..model import GPT, GPTConfig
 from ..training import tokenizer as tok
-from ..training.checkpoint import _atomic_write, _fsync_dir, read_checkpoint, save_checkpoint
+from ..training.checkpoint import read_checkpoint, save_checkpoint
 from ..training.data import BYTE_TOKENIZER
 from .hf_export.configuration_attnres import AttnResConfig
 from .hf_export.modeling_attnres import AttnResForCausalLM
@@ -175,7 +176,7 @@ def export_hf(
         os.rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     return out_dir
 
 
@@ -230,7 +231,7 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike, *, force: b
     exported = json.loads((hf_dir / EXPORT_FILE).read_text()) if (hf_dir / EXPORT_FILE).is_file() else {}
     run_config = {**exported.get("run", {}), "model": gpt.config.to_dict(), "imported_from": str(hf_dir)}
     ckpt = save_checkpoint(run_dir / CHECKPOINT, model=gpt, config=run_config, rng=False)
-    _atomic_write(run_dir / "config.json", json.dumps(run_config, indent=1, sort_keys=True).encode(), False)
+    atomic_write(run_dir / "config.json", json.dumps(run_config, indent=1, sort_keys=True).encode())
     return ckpt
 
 

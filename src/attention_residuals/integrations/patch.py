@@ -71,6 +71,7 @@ import torch
 import torch.nn as nn
 
 from ..connections import RESIDUALS, Connection, ResidualConfig, ResidualState, make_connection
+from ..files import atomic_write
 
 __all__ = [
     "PATCHED_MODEL_TYPE",
@@ -373,12 +374,10 @@ def _save_patched(model: nn.Module, save_directory: str | os.PathLike, *args, **
     result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     path = Path(save_directory) / "config.json"
     if path.is_file():
-        from ..training.checkpoint import _atomic_write  # local: training is a higher floor's concern
-
         record = json.loads(path.read_text())
         record["model_type"] = PATCHED_MODEL_TYPE
         record["attnres"] = model.config.attnres
-        _atomic_write(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode(), False)
+        atomic_write(path, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return result
 
 

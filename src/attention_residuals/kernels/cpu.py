@@ -6,11 +6,20 @@ which the loader resolves to the copy torch has already loaded, so the kernel ru
 OpenMP workers (awake after the previous torch op) instead of fresh threads competing with them;
 otherwise (or with ``ATTNRES_NO_OPENMP=1``) it uses POSIX threads. ``ATTNRES_CFLAGS`` adds
 compiler flags (e.g. ``-mno-avx512f`` for the 32-byte vector loops on an AVX-512 machine). The
-shared object is cached per (source, flags, compiler, CPU) under ``$ATTNRES_CACHE_DIR`` (default
-``~/.cache/attention_residuals``, a temporary folder if that is not writable). The build happens
+shared object is cached per (source, flags, compiler, CPU) in ``<cache root>/kernels``, the cache
+root being ``$ATTNRES_CACHE`` (default ``~/.cache/attention_residuals``: the one cache root, the
+token cache of :mod:`attention_residuals.training.data` lives there too). The build happens
 lazily on first use and never raises: when no compiler is found, the build fails, or
 ``ATTNRES_NO_COMPILE=1`` is set, :func:`unavailable_reason` says why and the dispatcher falls
 back to the eager ``fused`` path.
+
+Loading a shared object runs its code, so the folder it comes from must be this user's alone:
+``kernels`` is created with mode 0700, and before anything is loaded from it
+(:func:`cache_dir_problem`) it must be a real folder (not a symlink) owned by this user with no
+access for group or others, and the cached file a regular file owned by this user. A folder that
+fails (or cannot be created) is not used: the kernel is built into a fresh private temporary
+folder for this process instead (``tempfile.mkdtemp``: 0700, an unpredictable name), with a
+warning saying why.
 
 Supported: float32, bfloat16 (accumulated in float32) and float64 (accumulated in float64, so the
 path can be gradchecked) on contiguous CPU tensors. The N sources are passed as a list of
@@ -35,9 +44,11 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,6 +63,8 @@ __all__ = [
     "backward",
     "states",
     "merge",
+    "cache_dir_problem",
+    "cache_root",
     "library_path",
     "threading_model",
     "vector_bytes",
@@ -68,25 +81,58 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" -> ctypes.CDLL, "error" -> str, "path" -> Path
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("ATTNRES_CACHE_DIR")
-    base = (
-        Path(env)
-        if env
-        else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attention_residuals"
-    )
+CACHE_ENV = "ATTNRES_CACHE"
+
+
+def cache_root() -> Path:
+    """``$ATTNRES_CACHE`` or ``~/.cache/attention_residuals``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "attention_residuals"
+
+
+def _uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def cache_dir_problem(path: Path, *, file: bool = False) -> str | None:
+    """Why ``path`` (a folder, or with ``file`` a shared object in one) must not be loaded from,
+    or None: not a real folder / regular file, another owner, a folder open to group or others."""
     try:
-        base.mkdir(parents=True, exist_ok=True)
-        probe = base / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return base
-    except OSError:
-        fallback = (
-            Path(tempfile.gettempdir()) / f"attention_residuals-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    kind_ok = stat.S_ISREG(st.st_mode) if file else stat.S_ISDIR(st.st_mode)
+    if not kind_ok:
+        return f"is not a {'regular file' if file else 'folder'} (a symlink?)"
+    uid = _uid()
+    if uid is not None and st.st_uid != uid:
+        return f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if not file and uid is not None and st.st_mode & 0o077:
+        return f"has mode {oct(st.st_mode & 0o777)}, expected 0o700 (this user's alone)"
+    return None
+
+
+def _cache_dir() -> Path:
+    """``<cache root>/kernels`` (created 0700) if it passes :func:`cache_dir_problem`, else a fresh
+    private temporary folder (see the module docstring); once per process."""
+    if "dir" in _state:
+        return _state["dir"]  # type: ignore[return-value]
+    folder = cache_root() / "kernels"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(folder):
+            folder.mkdir(mode=0o700)
+        problem = cache_dir_problem(folder)
+    except OSError as e:
+        problem = f"cannot be created ({e.strerror})"
+    if problem is not None:
+        private = Path(tempfile.mkdtemp(prefix="attention_residuals-kernels-"))
+        warnings.warn(
+            f"kernel cache {folder} {problem}: building the C kernel in {private} instead", stacklevel=3
         )
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
+        folder = private
+    _state["dir"] = folder
+    return folder
 
 
 def _cpu_id() -> str:
@@ -123,7 +169,32 @@ def _compile(cc: str, out: Path, native: bool, openmp: bool) -> str | None:
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         return f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}"
-    os.replace(tmp, out)  # atomic: concurrent builders never see a partial file
+    # the digest first, then the library, each atomically: concurrent builders never see a partial
+    # file, and a library without its digest (a build cut short) is built again
+    digest, digest_tmp = _digest_path(out), tmp.with_name(tmp.name + ".sha256")
+    digest_tmp.write_text(_sha256(tmp))
+    os.replace(digest_tmp, digest)
+    os.replace(tmp, out)
+    return None
+
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _digest_problem(path: Path) -> str | None:
+    """None when ``path`` hashes to the digest recorded at its build, else what is wrong: a
+    truncated shared object can crash the process that loads it (SIGBUS), so it is never loaded."""
+    try:
+        recorded = _digest_path(path).read_text().strip()
+    except OSError:
+        return "has no recorded sha256 (a build cut short?)"
+    if _sha256(path) != recorded:
+        return "does not match the sha256 recorded at its build (truncated or corrupt)"
     return None
 
 
@@ -153,6 +224,59 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.attnres_set_stream_threshold.restype = i64
 
 
+def _library_name(cc: str, native: bool, openmp: bool) -> str:
+    """The cached shared object's name: a hash of the source, the flags, the compiler and the CPU."""
+    key = hashlib.sha256()
+    for part in (
+        _SOURCE.read_bytes(),
+        repr((_BASE_FLAGS, _extra_flags(), native, openmp, cc, _ABI_VERSION)).encode(),
+        _cpu_id().encode(),
+    ):
+        key.update(part)
+    return f"depth_attention_{key.hexdigest()[:16]}.so"
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """dlopen ``path`` and declare its functions; ``OSError``/``AttributeError`` if it is not the kernel."""
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    if lib.attnres_abi_version() != _ABI_VERSION:
+        raise OSError("ABI version mismatch")
+    return lib
+
+
+def _load_variant(cc: str, native: bool, openmp: bool) -> tuple[ctypes.CDLL | None, str | None]:
+    """``(library, None)`` for one build variant, from the cache or built now, else ``(None, why)``.
+    A cached file that fails the ownership check is left alone and not loaded; one that does not
+    match its recorded sha256 (truncated, corrupt) or does not load (another ABI) is deleted and
+    built once more."""
+    path = _cache_dir() / _library_name(cc, native, openmp)
+    err = None
+    for build in (False, True) if os.path.lexists(path) else (True,):
+        if build:
+            path.unlink(missing_ok=True)
+            err = _compile(cc, path, native, openmp)
+            if err is not None:
+                return None, err
+        problem = cache_dir_problem(path, file=True)
+        if problem:
+            return None, f"not loading {path}: it {problem}"
+        damaged = _digest_problem(path)
+        if damaged:
+            err = f"not loading {path}: it {damaged}"
+            continue
+        try:
+            lib = _open(path)
+        except (OSError, AttributeError) as exc:
+            err = f"loading {path}: {exc}"
+            continue
+        _state["lib"], _state["path"] = lib, path
+        _state["threads"] = "openmp" if lib.attnres_uses_openmp() else "pthreads"
+        return lib, None
+    path.unlink(missing_ok=True)
+    return None, err
+
+
 def _load() -> ctypes.CDLL | None:
     with _lock:
         if "lib" in _state or "error" in _state:
@@ -172,28 +296,9 @@ def _load() -> ctypes.CDLL | None:
         for native, openmp in ((True, True), (True, False), (False, True), (False, False)):
             if openmp and no_omp:
                 continue
-            key = hashlib.sha256()
-            for part in (
-                _SOURCE.read_bytes(),
-                repr((_BASE_FLAGS, _extra_flags(), native, openmp, cc, _ABI_VERSION)).encode(),
-                _cpu_id().encode(),
-            ):
-                key.update(part)
-            path = _cache_dir() / f"depth_attention_{key.hexdigest()[:16]}.so"
-            err = None if path.exists() else _compile(cc, path, native, openmp)
-            if err is None:
-                try:
-                    lib = ctypes.CDLL(str(path))
-                    _declare(lib)
-                    if lib.attnres_abi_version() != _ABI_VERSION:
-                        raise OSError("ABI version mismatch")
-                except (OSError, AttributeError) as exc:
-                    err = f"loading {path}: {exc}"
-                    path.unlink(missing_ok=True)
-                else:
-                    _state["lib"], _state["path"] = lib, path
-                    _state["threads"] = "openmp" if lib.attnres_uses_openmp() else "pthreads"
-                    return lib
+            lib, err = _load_variant(cc, native, openmp)
+            if lib is not None:
+                return lib
             errors.append(err)
         _state["error"] = "; ".join(e for e in errors if e)
         return None

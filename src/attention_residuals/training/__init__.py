@@ -19,6 +19,7 @@ from .loop import estimate_loss, load_corpus_for, resolve_device, train
 from .run import (
     ConfigMismatchError,
     RunError,
+    RunLockedError,
     command_line,
     config_diff,
     is_done,
@@ -29,6 +30,7 @@ from .run import (
 __all__ = [
     "ConfigMismatchError",
     "RunError",
+    "RunLockedError",
     "TrainConfig",
     "build_parser",
     "check_field_types",

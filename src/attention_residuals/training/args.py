@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ..commands import Parser
 from ..typed import choices_of, optional_type
 from .config import FlatField, TrainConfig, flat_fields, get_path
 from .tokenizer import load_tokenizer
@@ -118,7 +119,7 @@ def to_flags(
 
 def build_parser(prog: str = "attnres train") -> argparse.ArgumentParser:
     """The ``attnres train`` parser: one flag per option of TrainConfig and its GPTConfig."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Train a GPT whose depth mixing is any residual rule (PreNorm baseline, Full / Block "
         "AttnRes, DenseFormer, mHC, depth-SWA, mixing). The run directory holds config.json, "
@@ -191,5 +192,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
         given |= in_file
     cfg = base.replace(**ns)
     if cfg.tokenizer is not None and "vocab_size" not in given:
-        cfg = cfg.replace(vocab_size=len(load_tokenizer(cfg.tokenizer)))
+        cfg = cfg.replace(
+            vocab_size=len(load_tokenizer(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code))
+        )
     return cfg

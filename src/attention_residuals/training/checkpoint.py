@@ -7,15 +7,26 @@ One ``.safetensors`` file holds
   structure of those states (dicts with int keys, tuples, floats, ``None``...) is JSON in the
   file's metadata, with each tensor replaced by a reference to its key,
 * ``step``, the run ``config`` and any ``extra`` JSON (tokens seen, wall time...),
-* two sha256 checksums: one over the tensor data section, one over the metadata. They are
-  verified on load, so a truncated or bit-flipped file raises :class:`CheckpointError` naming the
-  file instead of resuming from garbage.
+* one sha256 over the whole file — the 8-byte header length, the header (every tensor's dtype,
+  shape and offsets, the metadata, the padding) and the data — stored in the header's metadata
+  as ``sha256_file``, computed with those 64 hex digits as zeros. It is verified on load, so a
+  truncated or bit-flipped file anywhere (a tensor's dtype in the header included) raises
+  :class:`CheckpointError` naming the file instead of resuming from garbage. Files of format
+  version 1 (a checksum of the data section and one of the metadata, not of the tensor table)
+  still load; their tensors' dtypes and shapes are then covered by the check against the model.
 
-Writes are atomic: the bytes go to a temporary file in the same folder, are fsync'ed, then
-``os.replace`` moves them over the destination. A crash or error mid-write leaves the previous
-checkpoint untouched. :func:`save_checkpoint` with ``keep_previous=True`` also keeps the last
-checkpoint as ``<name>.prev.safetensors``, so a run directory always holds one good checkpoint
-even if the newest file is later damaged on disk (:func:`load_latest` falls back to it).
+Before anything is loaded into a model, every tensor's dtype and shape are compared with the
+model's (:class:`CheckpointError` naming the first ones that differ: ``load_state_dict`` would
+silently cast a dtype), and ``check_config`` can compare the run identity the checkpoint records
+with the run it is loaded into (:class:`CheckpointMismatchError` naming the differing fields).
+
+Writes are atomic (:func:`.files.atomic_write`: a fresh temporary file in the same folder,
+fsync'ed, then ``os.replace``). A crash or error mid-write leaves the previous checkpoint
+untouched. :func:`save_checkpoint` with ``keep_previous=True`` also keeps the last checkpoint as
+``<name>.prev.safetensors``, so a run directory always holds one good checkpoint even if the
+newest file is later damaged on disk or the write was killed between the two renames:
+:func:`load_latest`, the one loading path of ``train --resume``, ``eval`` and ``sample``, falls
+back to it.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import json
 import os
 import random
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +45,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..files import atomic_write
+
 __all__ = [
     "CheckpointError",
+    "CheckpointMismatchError",
     "capture_rng_state",
     "flatten_state",
     "load_checkpoint",
@@ -48,12 +63,22 @@ __all__ = [
 ]
 
 FORMAT = "attention_residuals.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: one sha256 over the whole file; 1 (still read): data and metadata checksums
 _MAX_HEADER = 100 * 1024 * 1024
+_DIGEST_KEY = "sha256_file"
+_DIGEST_MARK = b'"sha256_file":"'  # as serde writes it: unique, a string value cannot hold it unescaped
+_ZEROS = b"0" * 64
+
+ConfigCheck = Callable[[dict], list[str]]  # the differing fields of a checkpoint's recorded config
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or does not fit the model it is loaded into."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A sound checkpoint written by another run (other config, seed, corpus...): never replaced
+    by the previous checkpoint silently, the differing fields are named."""
 
 
 # --------------------------------------------------------------------------- nested state <-> (json, tensors)
@@ -164,24 +189,64 @@ def restore_rng_state(state: dict) -> None:
 
 
 def _meta_digest(meta: dict[str, str]) -> str:
+    """Version 1's checksum of the metadata."""
     body = {k: v for k, v in meta.items() if k != "sha256_meta"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _encode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
-    """Serialise, with the checksum of the data section stored in the header metadata.
+def _digest_at(blob: bytes | bytearray, name: str) -> int:
+    """Offset of the 64 hex digits of ``sha256_file`` in a safetensors blob."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = bytes(blob[8 : 8 + n])
+    i = header.find(_DIGEST_MARK)
+    if i < 0 or header.find(_DIGEST_MARK, i + 1) >= 0:
+        raise CheckpointError(f"checkpoint {name} is corrupt (no single {_DIGEST_KEY} in its header)")
+    return 8 + i + len(_DIGEST_MARK)
 
-    The data section's bytes do not depend on the metadata, so serialise once to learn them,
-    then again with the checksums; the second pass is checked to give the same data section.
-    """
-    probe = st_save(tensors, metadata={**meta, "sha256_data": "0" * 64, "sha256_meta": "0" * 64})
-    data_sha = hashlib.sha256(_split(probe, "<memory>")[1]).hexdigest()
-    meta = {**meta, "sha256_data": data_sha}
-    meta["sha256_meta"] = _meta_digest(meta)
-    blob = st_save(tensors, metadata=meta)
-    if hashlib.sha256(_split(blob, "<memory>")[1]).hexdigest() != data_sha:  # pragma: no cover
-        raise RuntimeError("safetensors serialisation is not deterministic")
-    return blob
+
+def _file_digest(blob: bytes | bytearray, at: int) -> str:
+    """sha256 of the blob with its 64 digest digits at ``at`` read as zeros (no copy)."""
+    view = memoryview(blob)
+    h = hashlib.sha256(view[:at])
+    h.update(_ZEROS)
+    h.update(view[at + 64 :])
+    return h.hexdigest()
+
+
+def _encode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    """Serialise with a zero ``sha256_file``, then write the file's digest over the zeros (same
+    length: nothing moves)."""
+    blob = bytearray(st_save(tensors, metadata={**meta, _DIGEST_KEY: _ZEROS.decode()}))
+    at = _digest_at(blob, "<memory>")
+    blob[at : at + 64] = _file_digest(blob, at).encode()
+    return bytes(blob)
+
+
+def _verify(blob: bytes, header: dict, data: memoryview, name: str) -> dict[str, str]:
+    """The metadata of a checkpoint blob once its checksums hold; :class:`CheckpointError` naming
+    the file and what is wrong otherwise."""
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{name} is not an attention_residuals checkpoint (format={meta.get('format')!r})"
+        )
+    if _DIGEST_KEY in meta:
+        at = _digest_at(blob, name)
+        if (
+            blob[at : at + 64] != str(meta[_DIGEST_KEY]).encode()
+            or _file_digest(blob, at) != meta[_DIGEST_KEY]
+        ):
+            raise CheckpointError(
+                f"checkpoint {name} is truncated or corrupt (file checksum mismatch: sha256 of the file differs from the one recorded)"
+            )
+        return meta
+    if "sha256_data" not in meta or "sha256_meta" not in meta:
+        raise CheckpointError(f"checkpoint {name} has no checksums")
+    if _meta_digest(meta) != meta["sha256_meta"]:
+        raise CheckpointError(f"checkpoint {name} is corrupt (metadata checksum mismatch)")
+    if hashlib.sha256(data).hexdigest() != meta["sha256_data"]:
+        raise CheckpointError(f"checkpoint {name} is truncated or corrupt (data checksum mismatch)")
+    return meta
 
 
 def _split(blob: bytes, name: str) -> tuple[dict, memoryview]:
@@ -207,39 +272,6 @@ def previous_path(path: str | os.PathLike) -> Path:
     p = Path(path)
     stem = p.name.removesuffix(".safetensors")
     return p.with_name(f"{stem}.prev.safetensors")
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, blob: bytes, keep_previous: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        if keep_previous and path.exists():
-            os.replace(path, previous_path(path))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
 
 
 def save_checkpoint(
@@ -285,8 +317,10 @@ def save_checkpoint(
         "state": json.dumps(structure),
         "torch": torch.__version__,
     }
-    _atomic_write(path, _encode(tensors, meta), keep_previous)
-    return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(
+        path, _encode(tensors, meta), keep_previous=previous_path(path) if keep_previous else None
+    )
 
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -302,17 +336,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} cannot be read: {e}") from None
     header, data = _split(blob, str(path))
-    meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} is not an attention_residuals checkpoint (format={meta.get('format')!r})"
-        )
-    if "sha256_data" not in meta or "sha256_meta" not in meta:
-        raise CheckpointError(f"checkpoint {path} has no checksums")
-    if _meta_digest(meta) != meta["sha256_meta"]:
-        raise CheckpointError(f"checkpoint {path} is corrupt (metadata checksum mismatch)")
-    if hashlib.sha256(data).hexdigest() != meta["sha256_data"]:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt (data checksum mismatch)")
+    meta = _verify(blob, header, data, str(path))
     try:
         tensors = st_load(blob)
         info = {
@@ -340,6 +364,34 @@ def verify_checkpoint(path: str | os.PathLike) -> bool:
     return True
 
 
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def check_fits(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], name: str, strict: bool = True
+) -> None:
+    """Every weight has the dtype and shape of the model's tensor of that name (and, when
+    ``strict``, the names are the model's): :class:`CheckpointError` naming the first that differ
+    otherwise. ``load_state_dict`` checks shapes but casts dtypes silently."""
+    expected = model.state_dict()
+    problems = []
+    if strict:
+        for what, names in (
+            ("missing", sorted(expected.keys() - weights.keys())),
+            ("unexpected", sorted(weights.keys() - expected.keys())),
+        ):
+            if names:
+                problems.append(f"{what} tensors {names[:3]}{' ...' if len(names) > 3 else ''}")
+    for key in sorted(expected.keys() & weights.keys()):
+        want, got = expected[key], weights[key]
+        if want.dtype != got.dtype or want.shape != got.shape:
+            problems.append(f"{key}: {_describe(got)} in the file, {_describe(want)} in the model")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {name} does not fit the model: {'; '.join(problems[:3])}{more}")
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     *,
@@ -348,14 +400,24 @@ def load_checkpoint(
     scheduler: Any | None = None,
     restore_rng: bool = True,
     strict: bool = True,
+    check_config: ConfigCheck | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint into the given objects; returns ``{"step", "config", "extra", "path"}``."""
+    """Load a checkpoint into the given objects; returns ``{"step", "config", "extra", "path"}``.
+
+    Nothing is loaded unless the file is sound, its recorded config passes ``check_config``
+    (which returns the differing fields: :class:`CheckpointMismatchError`; a checkpoint that
+    records no config is not compared) and its weights fit ``model`` (:func:`check_fits`)."""
     path = Path(path)
     tensors, info = read_checkpoint(path)
     state = info["state"]
+    if check_config is not None and info["config"]:
+        diff = check_config(info["config"])
+        if diff:
+            raise CheckpointMismatchError(f"checkpoint {path} was written by another run: " + "; ".join(diff))
     try:
         if model is not None:
             weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+            check_fits(model, weights, str(path), strict)
             model.load_state_dict(weights, strict=strict)
         if optimizer is not None:
             if state.get("optimizer") is None:
@@ -375,7 +437,10 @@ def load_checkpoint(
 
 
 def load_latest(path: str | os.PathLike, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
-    """Load ``path``, falling back to its previous checkpoint if ``path`` is missing or corrupt.
+    """Load ``path`` (keywords of :func:`load_checkpoint`), falling back to its previous
+    checkpoint if ``path`` is missing, truncated or corrupt — not if it belongs to another run
+    (:class:`CheckpointMismatchError`). The one loading path of ``train --resume``, ``eval`` and
+    ``sample``.
 
     Returns ``(info, warnings)``. Raises :class:`CheckpointError` naming both files when neither
     is good.
@@ -384,11 +449,15 @@ def load_latest(path: str | os.PathLike, **kwargs: Any) -> tuple[dict[str, Any],
     prev = previous_path(path)
     try:
         return load_checkpoint(path, **kwargs), []
+    except CheckpointMismatchError:
+        raise
     except CheckpointError as err:
-        if not prev.exists():
+        if not os.path.lexists(prev):
             raise
         try:
             info = load_checkpoint(prev, **kwargs)
+        except CheckpointMismatchError:
+            raise
         except CheckpointError as err2:
             raise CheckpointError(f"{err}; the previous checkpoint is unusable too: {err2}") from None
-        return info, [f"{err}; resumed from the previous good checkpoint {prev} (step {info['step']})"]
+        return info, [f"{err}; loaded the previous good checkpoint {prev} (step {info['step']}) instead"]

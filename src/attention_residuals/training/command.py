@@ -5,23 +5,35 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
+from ..commands import fail
 from ..parallel import data_parallel as _dp
 from .args import config_from_args
 from .checkpoint import CheckpointError
 from .loop import train
 from .run import RunError
 
-__all__ = ["main"]
+__all__ = ["main", "out_of_memory"]
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """True for an allocation failure (torch's CPU allocator raises a plain RuntimeError)."""
+    return isinstance(e, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(e)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 (trained), 2 (bad input: the message names it), 130 (stopped by Ctrl-C, resumable)."""
+    """Exit status 0 (trained), 2 (bad input or a file that cannot be written: one line naming it),
+    130 (stopped by Ctrl-C, resumable)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         summary = train(config_from_args(argv))
-    except (ValueError, FileNotFoundError, RunError, CheckpointError) as e:
-        print(f"attnres train: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, RunError, CheckpointError) as e:
+        return fail("attnres train", e)
+    except (MemoryError, RuntimeError) as e:  # a model too big for the machine: say so in one line
+        if not out_of_memory(e):
+            raise
+        return fail("attnres train", f"out of memory building or training the model (smaller sizes?): {e}")
     if not _dp.is_main():
         return 0
     print(

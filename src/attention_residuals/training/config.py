@@ -24,7 +24,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..model import GPTConfig
-from ..typed import check_field_types, flat_name, is_config_class, option, optional_type
+from ..typed import (
+    check_bounds,
+    check_choices,
+    check_field_types,
+    flat_name,
+    is_config_class,
+    option,
+    optional_type,
+)
 from .optim import OPTIMIZERS, SCHEDULES, LRSchedule
 
 __all__ = [
@@ -59,49 +67,51 @@ class TrainConfig:
     """Everything a run depends on. ``model`` is a :class:`GPTConfig`; the rest is training.
 
     Fields marked run-control (``out``, ``resume``, ``overwrite``, ``stop_at``, ``progress``,
-    ``device``, ``cache_dir``) steer this invocation and are not part of the run's identity:
+    ``device``, ``cache_dir``, ``trust_remote_code``) steer this invocation and are not part of the run's identity:
     they are not compared on ``--resume``.
     """
 
     model: GPTConfig = field(default_factory=GPTConfig)
     # optimisation
-    steps: int = _f(1000, "optimizer steps in the whole run")
+    steps: int = _f(1000, "optimizer steps in the whole run", ge=1)
     batch_size: int = _f(
-        16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)"
+        16, "sequences per micro-batch (global: torchrun ranks each take batch_size / world_size)", ge=1
     )
-    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step", ge=1)
     optimizer: str = _f(
         "adamw", "adamw, or muon (Muon on sublayer matrices, AdamW on the rest)", choices=OPTIMIZERS
     )
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine / WSD decay")
-    warmup: int = _f(100, "linear warmup steps")
+    lr: float = _f(3e-3, "peak learning rate", gt=0)
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine / WSD decay", ge=0)
+    warmup: int = _f(100, "linear warmup steps", ge=0)
     schedule: str = _f("cosine", "learning-rate schedule", choices=SCHEDULES)
-    decay_frac: float = _f(0.2, "WSD: fraction of the steps spent decaying")
-    weight_decay: float = _f(0.1, "decoupled weight decay of 2-D weights (never on norms or residual.*)")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    decay_frac: float = _f(0.2, "WSD: fraction of the steps spent decaying", ge=0, le=1)
+    weight_decay: float = _f(
+        0.1, "decoupled weight decay of 2-D weights (never on norms or residual.*)", ge=0
+    )
+    beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)", ge=0)
     dtype: str = _f(
         "auto",
         "autocast dtype of the forward pass; auto: bfloat16 on CUDA, float32 on CPU (recorded as chosen; "
         "float16 trains with a gradient scaler)",
         choices=("auto", *DTYPES),
     )
-    seed: int = _f(0, "seed of the initialisation and of the training batches")
+    seed: int = _f(0, "seed of the initialisation and of the training batches", ge=0, lt=2**63)
     # data
     data: str | None = _f(
         None, "text file, folder or glob (default: the Python standard library's .py files)"
     )
-    val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)")
+    val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)", gt=0, lt=1)
     tokenizer: str | None = _f(
         None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes"
     )
     # logging / evaluation / checkpoints
-    eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)")
-    eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)")
-    log_interval: int = _f(10, "write a metrics row every this many steps")
-    ckpt_interval: int = _f(0, "save a checkpoint every this many steps (0: at every evaluation)")
+    eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)", ge=1)
+    eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)", ge=1)
+    log_interval: int = _f(10, "write a metrics row every this many steps", ge=1)
+    ckpt_interval: int = _f(0, "save a checkpoint every this many steps (0: at every evaluation)", ge=0)
     # run control: not part of the run's identity
     out: str = _rc("runs/train", "run directory")
     resume: bool = _rc(
@@ -109,7 +119,7 @@ class TrainConfig:
     )
     overwrite: bool = _rc(False, "delete the run files in --out and start again", switch=True)
     stop_at: int | None = _rc(
-        None, "stop (checkpointed, resumable) after this step; the schedule still spans --steps"
+        None, "stop (checkpointed, resumable) after this step; the schedule still spans --steps", ge=0
     )
     progress: bool = _rc(True, "show a progress bar")
     device: str = _rc("auto", "cpu, cuda, cuda:N or auto")
@@ -119,6 +129,12 @@ class TrainConfig:
     )
     cache_dir: str | None = _rc(
         None, "token cache folder (default $ATTNRES_CACHE or ~/.cache/attention_residuals)"
+    )
+    trust_remote_code: bool = _rc(
+        False,
+        "let the --tokenizer folder run Python code of its own (transformers' trust_remote_code); "
+        "without it such a folder is refused",
+        switch=True,
     )
 
     @classmethod
@@ -154,27 +170,19 @@ class TrainConfig:
         return replace_flat(self, **overrides)
 
     def validate(self) -> TrainConfig:
-        """Raise ``ValueError`` naming the field."""
+        """Raise ``ValueError`` naming the field and what it expects: types (a bool is no int),
+        finite numbers in the ranges their fields declare, choices, and the options that depend on
+        each other. :func:`~.loop.train` calls it before it reads or writes anything."""
         check_field_types(self)
         self.model.validate()
-        for name in ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "log_interval"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-        if self.ckpt_interval < 0:
-            raise ValueError(f"ckpt_interval: expected >= 0, got {self.ckpt_interval}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
+        check_bounds(self)
+        check_choices(self)
+        for name in ("out", "device", "data", "tokenizer", "cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+        if self.min_lr > self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip: expected >= 0, got {self.grad_clip}")
-        if self.stop_at is not None and not 0 <= self.stop_at:
-            raise ValueError(f"stop_at: expected >= 0, got {self.stop_at}")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite: give at most one of them")
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)

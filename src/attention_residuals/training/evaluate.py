@@ -5,6 +5,12 @@ another Python's standard library, is reported in the output and warned about) u
 points elsewhere, read with the run's tokenizer (bytes, or the BPE it trained with). The loss is
 the mean cross-entropy over fixed validation windows — the same windows ``attnres train``
 evaluates on, so the numbers agree with ``metrics.jsonl``.
+
+The checkpoint is read as ``train --resume`` reads it (:func:`.checkpoint.load_latest`): verified
+whole, falling back to ``checkpoint.prev.safetensors`` with a warning when the newest one is
+damaged, and refused when it records another run's identity than the run's ``config.json``
+(``--checkpoint FILE``: its model config must be the run's). The run's tokenizer folder is
+loaded without running code from it unless ``--trust-remote-code``.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..commands import Parser, fail
 from ..model import GPT
-from .checkpoint import CheckpointError, load_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, load_latest
 from .config import TrainConfig
 from .data import BYTE_TOKENIZER
 from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype
-from .run import CHECKPOINT_FILE, CONFIG_FILE
+from .run import CHECKPOINT_FILE, CONFIG_FILE, RunError, checkpoint_check, log, read_run_record
 
 __all__ = ["evaluate_run", "load_run", "main"]
 
@@ -33,21 +40,34 @@ def load_run(
     """``(model in eval mode, config, info)`` of a run directory.
 
     ``info`` has the checkpoint's ``step``, ``path`` and ``extra`` and the run's ``config.json``
-    as ``record``.
+    as ``record``. The run's checkpoint is loaded through :func:`.checkpoint.load_latest` (the
+    fallback of ``train --resume``; its warnings go to stderr) and must record the run's identity;
+    an explicit ``checkpoint`` file is loaded as is and must record the run's model.
 
-    Raises ``FileNotFoundError`` when ``run_dir`` holds no run and :class:`CheckpointError`
-    when its checkpoint is missing, truncated or corrupt.
+    Raises ``FileNotFoundError`` when ``run_dir`` holds no run, ``ValueError`` naming the file when
+    its ``config.json`` is not a valid run config, and :class:`CheckpointError` when no good
+    checkpoint is left (``CheckpointMismatchError``: it is another run's).
     """
     run_dir = Path(run_dir)
     cfg_path = run_dir / CONFIG_FILE
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE})")
-    record = json.loads(cfg_path.read_text())
-    cfg = TrainConfig.from_dict({"model": record.get("model", {}), "train": record.get("train", {})})
+    try:
+        record = read_run_record(run_dir)
+        sections = {"model": record.get("model", {}), "train": record.get("train", {})}
+        cfg = TrainConfig.from_dict(sections).validate()
+    except (RunError, TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
     model = GPT(cfg.model)
-    info = load_checkpoint(
-        Path(checkpoint) if checkpoint else run_dir / CHECKPOINT_FILE, model=model, restore_rng=False
-    )
+    if checkpoint:
+        check = checkpoint_check(record, sections=("model",))
+        info = load_checkpoint(Path(checkpoint), model=model, restore_rng=False, check_config=check)
+    else:
+        info, warnings = load_latest(
+            run_dir / CHECKPOINT_FILE, model=model, restore_rng=False, check_config=checkpoint_check(record)
+        )
+        for w in warnings:
+            log(f"warning: {w}")
     info["record"] = record
     return model.to(resolve_device(device)).eval(), cfg, info
 
@@ -62,8 +82,10 @@ def evaluate_run(
     checkpoint: str | Path | None = None,
     device: str = "auto",
     cache_dir: str | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
-    """Loss of a run's checkpoint on its validation (or training) split; a JSON-able dict."""
+    """Loss of a run's checkpoint on its validation (or training) split; a JSON-able dict.
+    ``trust_remote_code`` lets the run's tokenizer folder run code of its own (off: refused)."""
     if split not in ("val", "train"):
         raise ValueError(f"split: expected 'val' or 'train', got {split!r}")
     for name, value in (("batches", batches), ("batch_size", batch_size)):
@@ -73,7 +95,9 @@ def evaluate_run(
     recorded = info["record"].get("data", {})
     source = data if data is not None else cfg.data
     # the run's tokenizer (bytes, or its BPE) on the run's corpus or on --data
-    corpus = load_corpus_for(dataclasses.replace(cfg, data=source, cache_dir=cache_dir))
+    corpus = load_corpus_for(
+        dataclasses.replace(cfg, data=source, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    )
     corpus.check_fits(cfg.model.seq_len)
     matches = corpus.sha256 == recorded.get("sha256")
     if not matches and data is None:
@@ -119,7 +143,7 @@ def evaluate_run(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="attnres eval",
         description="Evaluate a run's checkpoint: mean cross-entropy (nats/token) on fixed validation "
         "windows of the run's corpus, printed as JSON (also bits per token/byte and perplexity).",
@@ -140,7 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--cache-dir", default=None, help="token cache folder for --data")
+    add_trust_flag(p)
     return p
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    """``--trust-remote-code`` (shared with ``attnres sample``)."""
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the run's tokenizer folder run Python code of its own (default: such a folder is refused)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint=args.checkpoint,
             device=args.device,
             cache_dir=args.cache_dir,
+            trust_remote_code=args.trust_remote_code,
         )
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"attnres eval: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, CheckpointError) as e:
+        return fail("attnres eval", e)
     print(json.dumps(result, indent=2))
     return 0
 

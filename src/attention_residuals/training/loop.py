@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..files import open_append
 from ..model import GPT
 from ..parallel import data_parallel as _dp
 from ..parallel.dist import DistEnv
@@ -44,11 +45,13 @@ from .run import (
     METRICS_FILE,
     SUMMARY_FILE,
     RunError,
+    checkpoint_check,
     clear_run,
     command_line,
     log,
     plan_run,
     run_identity,
+    run_lock,
     run_record,
     start_run_files,
     truncate_metrics,
@@ -86,6 +89,8 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {name!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {name!r} requested but there are {torch.cuda.device_count()} CUDA devices")
     return dev
 
 
@@ -148,6 +153,7 @@ def load_corpus_for(cfg: TrainConfig) -> Corpus:
         vocab_size=cfg.model.vocab_size,
         val_fraction=cfg.val_fraction,
         cache_dir=cfg.cache_dir,
+        trust_remote_code=cfg.trust_remote_code,
     )
     return corpus
 
@@ -357,7 +363,7 @@ class MetricsWriter:
     """Appends the rows of ``metrics.jsonl`` (on rank 0; elsewhere it writes nothing)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
-        self._file = open(path, "a") if enabled else None  # closed by __exit__
+        self._file = open_append(path) if enabled else None  # closed by __exit__; never via a symlink
 
     def __enter__(self) -> MetricsWriter:
         return self
@@ -436,7 +442,11 @@ def resume_state(ctx: RunContext, state: TrainState) -> None:
     """Load the newest good checkpoint into ``state`` (RNG included) and drop the metrics rows
     written after it."""
     info, warnings = load_latest(
-        ctx.out / CHECKPOINT_FILE, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler
+        ctx.out / CHECKPOINT_FILE,
+        model=state.model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        check_config=checkpoint_check(ctx.identity),  # a checkpoint copied from another run is refused
     )
     for w in warnings:
         log(f"warning: {w}")
@@ -574,14 +584,17 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
 
     ``corpus`` overrides ``cfg.data`` (sweeps load a corpus once and share it). Raises
     ``ValueError`` for a bad config, ``FileNotFoundError``/``ValueError`` for bad ``--data``,
-    :class:`RunError` for an occupied run directory, :class:`ConfigMismatchError` when resuming
-    with another config, and ``CheckpointError`` when no good checkpoint is left.
+    :class:`RunError` for an occupied run directory (:class:`RunLockedError`: another training
+    writes it), :class:`ConfigMismatchError` when resuming with another config, and
+    ``CheckpointError`` when no good checkpoint is left (``CheckpointMismatchError``: the
+    checkpoint is another run's).
     """
     cfg = absolute_paths(cfg.validate())
     cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, resolve_device(cfg.device)))
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
-        return _train(cfg, corpus, env)
+        with run_lock(cfg.out, enabled=env.is_main):  # one writer per run directory
+            return _train(cfg, corpus, env)
     finally:
         _dp.teardown()
 
@@ -592,9 +605,10 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     if plan.finished is not None:
         return plan.finished
     _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
+    # built before any file is deleted: a model that fails to build loses nothing
+    state = build_state(cfg, ctx.device)
     if plan.clear and ctx.is_main:
         clear_run(ctx.out)
-    state = build_state(cfg, ctx.device)
     if plan.resume:
         resume_state(ctx, state)
     elif ctx.is_main:

@@ -8,10 +8,24 @@ A run lives in one directory::
     checkpoint.safetensors  weights, optimizer, scheduler, RNG, step (atomic; previous one kept
                             as checkpoint.prev.safetensors)
     summary.json            final numbers and ``"done": true`` once all steps ran
+    .lock                   held by the one training writing the folder (removed when it ends)
 
 The resume policy (:func:`plan_run`): a directory holding a run is an error unless ``--resume``
 (continue it: its config must equal the run's ``config.json``, the differing fields are listed;
-a finished run is returned as is) or ``--overwrite`` (delete the run files and start again).
+a finished run is returned as is) or ``--overwrite`` (delete the run files and start again). A
+non-empty folder that holds no run of this project (no ``config.json`` of a run: a user's files)
+is an error too unless ``--overwrite``, which writes the run beside them and replaces only the
+run files' names.
+
+One writer per folder (:func:`run_lock`): ``train`` takes an exclusive ``flock`` on ``.lock``
+and records its pid, host and start time there; a second training on the same ``--out`` fails at
+once with :class:`RunLockedError` naming the holder. The kernel drops the lock of a process that
+died (``kill -9`` included), so a lock left behind is detected as stale, reported and taken
+over; with the lock held, the temporary files of killed writes are swept.
+
+Every run file is written by :func:`.files.atomic_write` (temporary file, fsync, rename; a
+symlink planted at a run file's name is replaced, never written through) and ``metrics.jsonl``
+is appended to without following a symlink (:func:`.files.open_append`).
 """
 
 from __future__ import annotations
@@ -20,33 +34,48 @@ import contextlib
 import json
 import os
 import shlex
+import socket
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock, no lock
+    fcntl = None
+
+from ..files import atomic_write, sweep_temp_files, temp_prefix
 from ..model import GPTConfig
 from .args import to_flags
-from .checkpoint import previous_path
+from .checkpoint import ConfigCheck, previous_path
 from .config import PATH_FIELDS, TrainConfig, absolute
 
 __all__ = [
     "CHECKPOINT_FILE",
     "CONFIG_FILE",
+    "LOCK_FILE",
     "METRICS_FILE",
     "RUN_FORMAT",
     "SUMMARY_FILE",
     "ConfigMismatchError",
     "RunError",
+    "RunLockedError",
     "RunPlan",
+    "checkpoint_check",
     "clear_run",
     "command_line",
     "config_diff",
     "is_done",
+    "is_run_record",
     "load_summary",
     "plan_run",
     "read_metrics",
+    "read_run_record",
     "run_identity",
+    "run_lock",
     "run_record",
     "start_run_files",
     "truncate_metrics",
@@ -57,6 +86,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 SUMMARY_FILE = "summary.json"
+LOCK_FILE = ".lock"
 RUN_FORMAT = 1
 DATA_IDENTITY = ("source", "sha256", "tokenizer", "vocab_size")  # the corpus fields a resume must match
 
@@ -69,6 +99,10 @@ class ConfigMismatchError(RunError, ValueError):
     """``--resume`` with a config that differs from the run's ``config.json``."""
 
 
+class RunLockedError(RunError):
+    """Another training holds the run directory's lock."""
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -76,11 +110,20 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- files
 
 
+def run_files(out: Path) -> tuple[Path, ...]:
+    """The files a run writes in ``out`` (all that :func:`clear_run` deletes, config last)."""
+    return (
+        out / SUMMARY_FILE,
+        out / CHECKPOINT_FILE,
+        previous_path(out / CHECKPOINT_FILE),
+        out / METRICS_FILE,
+        out / CONFIG_FILE,
+    )
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Atomically: a crash leaves the previous file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    """Atomically (:func:`.files.atomic_write`): a crash leaves the previous file or the new one."""
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
@@ -96,6 +139,31 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError:
                 break
     return rows
+
+
+def is_run_record(record: Any) -> bool:
+    """True for the content of a run's ``config.json`` (written by ``train`` or by
+    ``export-hf --import``): an object with a ``model`` section (and ``train`` when present)."""
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("model"), dict)
+        and isinstance(record.get("train", {}), dict)
+    )
+
+
+def read_run_record(out: Path) -> dict | None:
+    """The run's ``config.json``; None when there is none. :class:`RunError` naming the file when
+    it exists but is not a run's (unreadable, not JSON, another program's JSON)."""
+    path = out / CONFIG_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunError(f"{path} is not a run's config.json ({type(e).__name__}: {e})") from None
+    if not is_run_record(record):
+        raise RunError(f"{path} is not a run's config.json (no model section)")
+    return record
 
 
 def load_summary(run_dir: str | os.PathLike) -> dict | None:
@@ -133,45 +201,132 @@ def start_run_files(out: Path, record: dict) -> None:
     """A new run: ``config.json`` written, ``metrics.jsonl`` empty, no ``summary.json``."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / CONFIG_FILE, record)
-    (out / METRICS_FILE).write_text("")
+    atomic_write(out / METRICS_FILE, "")
     with contextlib.suppress(FileNotFoundError):
         (out / SUMMARY_FILE).unlink()
 
 
 def clear_run(out: Path) -> None:
-    """Delete the run files of ``out`` (and nothing else there)."""
-    for name in (
-        CONFIG_FILE,
-        METRICS_FILE,
-        SUMMARY_FILE,
-        CHECKPOINT_FILE,
-        previous_path(out / CHECKPOINT_FILE).name,
-    ):
+    """Delete the run files of ``out`` (and nothing else there); ``config.json`` last, so that a
+    clear cut short still leaves a folder recognised as a run."""
+    for path in run_files(out):
         with contextlib.suppress(FileNotFoundError):
-            (out / name).unlink()
+            path.unlink()
 
 
 def truncate_metrics(out: Path, step: int) -> None:
-    """Drop the metrics rows past ``step`` (written after the checkpoint a resume starts from)."""
+    """Drop the metrics rows past ``step`` (written after the checkpoint a resume starts from) and
+    a torn last line, atomically."""
     rows = [r for r in read_metrics(out) if r.get("step", 0) <= step]
-    tmp = out / f".{METRICS_FILE}.tmp-{os.getpid()}"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, out / METRICS_FILE)
+    atomic_write(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+# --------------------------------------------------------------------------- one writer per folder
+
+
+def _holder(fd: int) -> str:
+    """What a lock file says about its holder (``pid 12 on host since ...``)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info['host']} since {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "an unknown process"
+
+
+def _make_dirs(out: Path) -> list[Path]:
+    """Create ``out`` and its missing parents; returns the folders created, deepest first."""
+    missing = []
+    p = out
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    out.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _acquire(out: Path) -> int:
+    """An fd of ``out/.lock`` holding its exclusive flock (see the module docstring)."""
+    path = out / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunLockedError(
+                f"{out} is in use by another training ({holder}; lock {path}): wait for it to end "
+                "or choose another --out"
+            ) from None
+        # a holder ending unlinks the file after we opened it: lock the one at the path
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                break
+        os.close(fd)
+    if os.fstat(fd).st_size:
+        log(f"warning: {path}: a stale lock of {_holder(fd)}, which no longer runs; taken over")
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return fd
+
+
+@contextlib.contextmanager
+def run_lock(out: str | os.PathLike, enabled: bool = True) -> Iterator[None]:
+    """Hold ``out``'s lock for the body (creating ``out``); :class:`RunLockedError` at once when
+    another training holds it. Stale temporary files of killed writes are swept once it is held.
+    On the way out the lock file is removed, and so are the folders this call created if they
+    are still empty (a refused run leaves nothing behind)."""
+    out = Path(out)
+    if not enabled or fcntl is None:
+        yield
+        return
+    if os.path.lexists(out) and not out.is_dir():
+        raise RunError(f"--out {out}: exists and is not a folder")
+    try:
+        created = _make_dirs(out)
+    except OSError as e:
+        raise RunError(f"--out {out}: cannot create the folder ({e.strerror})") from None
+    try:
+        fd = _acquire(out)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        for p in sweep_temp_files(out, tuple(f.name for f in run_files(out))):
+            log(f"{out}: removed {p.name}, left by a write that was cut short")
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (out / LOCK_FILE).unlink()
+        os.close(fd)
+        _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the run was written), or gone
+            return
 
 
 # --------------------------------------------------------------------------- the resume policy
 
 
-def config_diff(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Fields that differ between two nested config dicts, as ``"model.d_model: 128 -> 64"``."""
+def config_diff(
+    saved: dict, current: dict, prefix: str = "", labels: tuple[str, str] = ("run", "now")
+) -> list[str]:
+    """Fields that differ between two nested config dicts, as
+    ``"model.d_model: 128 (run) != 64 (now)"``."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, f"{name}.")
+            out += config_diff(a, b, f"{name}.", labels)
         elif a != b:
-            out.append(f"{name}: {a!r} (run) != {b!r} (now)")
+            out.append(f"{name}: {a!r} ({labels[0]}) != {b!r} ({labels[1]})")
     return out
 
 
@@ -198,16 +353,63 @@ def _saved_identity(saved: dict, data_keys: list[str]) -> dict:
     }
 
 
+def checkpoint_check(expected: dict, sections: tuple[str, ...] = ("model", "train", "data")) -> ConfigCheck:
+    """The ``check_config`` of :func:`.checkpoint.load_checkpoint`: the fields in which a
+    checkpoint's recorded identity differs from ``expected`` (:func:`run_identity`, or a run's
+    ``config.json``), both read through :func:`_saved_identity`; only ``sections`` compared."""
+    want = _saved_identity(expected, list(DATA_IDENTITY))
+    want = {k: want[k] for k in sections}
+
+    def check(recorded: dict) -> list[str]:
+        got = _saved_identity(recorded, list(DATA_IDENTITY))
+        return config_diff({k: got[k] for k in sections}, want, labels=("checkpoint", "run"))
+
+    return check
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """The names in ``out`` a run did not write (the lock and temporary files of run files aside)."""
+    if not out.is_dir():
+        return []
+    ours = {p.name for p in run_files(out)} | {LOCK_FILE}
+    prefixes = tuple(temp_prefix(p) for p in run_files(out))
+    return sorted(n for n in os.listdir(out) if n not in ours and not n.startswith(prefixes))
+
+
+def _plan_non_run(cfg: TrainConfig, out: Path) -> RunPlan:
+    """A folder without a run's ``config.json``: empty (or absent) is a new run; one holding
+    other files only with ``--overwrite`` (the run files' names are replaced, nothing else)."""
+    taken = [p.name for p in run_files(out) if os.path.lexists(p)]
+    other = _foreign_entries(out) + taken
+    if other and not cfg.overwrite:
+        shown = ", ".join(other[:5]) + (" ..." if len(other) > 5 else "")
+        replaced = f"; it would replace {', '.join(taken)}" if taken else ""
+        raise RunError(
+            f"--out {out} is not empty and holds no run of this project ({shown}): choose an empty "
+            f"or new folder, or pass --overwrite to write the run beside these files{replaced}"
+        )
+    if cfg.resume:
+        log(f"{out}: nothing to resume, starting a new run")
+    return RunPlan(clear=bool(taken))
+
+
 def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
     """Decide what to do with ``cfg.out`` (see the module docstring); touches no file. Raises
-    :class:`RunError` for an occupied directory without ``--resume`` / ``--overwrite`` and
-    :class:`ConfigMismatchError` when resuming with another config."""
+    :class:`RunError` for an occupied directory without ``--resume`` / ``--overwrite`` (or a
+    non-empty one that holds no run, without ``--overwrite``) and :class:`ConfigMismatchError`
+    when resuming with another config."""
     out = Path(cfg.out)
     cfg_path, ckpt_path = out / CONFIG_FILE, out / CHECKPOINT_FILE
-    if not cfg_path.exists():
-        if cfg.resume:
-            log(f"{out}: nothing to resume, starting a new run")
-        return RunPlan()
+    if os.path.lexists(out) and not out.is_dir():
+        raise RunError(f"--out {out}: exists and is not a folder")
+    try:
+        saved_record = read_run_record(out)
+    except RunError:
+        if not cfg.overwrite:
+            raise
+        saved_record = None
+    if saved_record is None:
+        return _plan_non_run(cfg, out)
     if cfg.overwrite:
         return RunPlan(clear=True)
     if not cfg.resume:
@@ -217,13 +419,13 @@ def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
             f"{out} already holds {state} ({CONFIG_FILE} exists); pass --resume to continue it "
             f"or --overwrite to start again"
         )
-    saved = _saved_identity(json.loads(cfg_path.read_text()), list(identity["data"]))
+    saved = _saved_identity(saved_record, list(identity["data"]))
     diff = config_diff(saved, identity)
     if diff:
-        raise ConfigMismatchError(f"--resume: the config differs from {cfg_path}:\n  " + "\n  ".join(diff))
+        raise ConfigMismatchError(f"--resume: the config differs from {cfg_path}: " + "; ".join(diff))
     summary = load_summary(out)
     if summary and summary.get("done") and summary.get("step") == cfg.steps:
         log(f"{out}: already finished ({cfg.steps} steps), nothing to do")
         return RunPlan(finished=summary)
-    resuming = ckpt_path.exists() or previous_path(ckpt_path).exists()
+    resuming = os.path.lexists(ckpt_path) or os.path.lexists(previous_path(ckpt_path))
     return RunPlan(resume=resuming, clear=not resuming)  # config written but no checkpoint yet: start over

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..model import GPT
+from ..commands import Parser, fail
+from ..model import GPT, check_sampling
+from ..typed import check_number
 from . import tokenizer as tok
 from .checkpoint import CheckpointError
 from .data import BYTE_TOKENIZER, byte_decode, byte_encode
-from .evaluate import load_run
+from .evaluate import add_trust_flag, load_run
 from .loop import autocast, resolve_dtype
 
 __all__ = ["generate_text", "run_codec", "main"]
@@ -47,14 +50,10 @@ def generate_text(
     ``temperature=0`` is greedy. The same seed gives the same samples. An empty prompt starts
     from a newline.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k: expected >= 1, or None for all tokens, got {top_k}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples: expected >= 1, got {num_samples}")
+    check_number("max_new_tokens", max_new_tokens, integer=True, ge=0)
+    check_sampling(temperature, top_k)
+    check_number("num_samples", num_samples, integer=True, ge=1)
+    check_number("seed", seed, integer=True, ge=0, lt=2**63)
     ids = encode(prompt) or encode("\n")
     device = next(model.parameters()).device
     ctx = model.config.seq_len
@@ -77,12 +76,13 @@ def generate_text(
 
 
 def run_codec(
-    record: dict, tokenizer: str | Path | None = None
+    record: dict, tokenizer: str | Path | None = None, *, trust_remote_code: bool = False
 ) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """``(encode, decode)`` of a run from its ``config.json`` record: bytes, or the BPE tokenizer
     of ``attnres train --tokenizer DIR`` (that folder, or ``tokenizer`` when given), checked
-    against the content id the run recorded. Raises ``ValueError`` / ``FileNotFoundError`` with
-    what to do when the tokenizer cannot be found or is not the run's."""
+    against the content id the run recorded and loaded without running code from the folder
+    unless ``trust_remote_code``. Raises ``ValueError`` / ``FileNotFoundError`` with what to do
+    when the tokenizer cannot be found, is not the run's, or asks to run code."""
     used = (record.get("data") or {}).get("tokenizer", BYTE_TOKENIZER)
     if tokenizer is None and used == BYTE_TOKENIZER:
         return byte_encode, byte_decode
@@ -110,7 +110,7 @@ def run_codec(
             f"tokenizer {str(path)!r} is {found!r}, not the {used!r} the run was trained with; {hint}"
         )
     try:
-        hook = tok.load_encoder(path)
+        hook = tok.load_encoder(path, trust_remote_code=trust_remote_code)
     except ImportError as exc:
         raise ValueError(
             f"decoding a BPE run needs the hf extra (pip install 'attention-residuals[hf]'): {exc}"
@@ -119,7 +119,7 @@ def run_codec(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="attnres sample",
         description="Generate text from a run's checkpoint (KV-cache decoding). Prints the samples, "
         "prompt included, separated by a rule; --json prints a JSON list instead. Byte-level runs and runs "
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     p.add_argument("--json", action="store_true", help="print a JSON list of strings")
+    add_trust_flag(p)
     return p
 
 
@@ -160,15 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for flag, value, low, note in (
         ("--max-new-tokens", args.max_new_tokens, 0, ""),
-        ("--temperature", args.temperature, 0, " (0 = greedy)"),
+        ("--temperature", args.temperature, 0, " (finite; 0 = greedy)"),
         ("--top-k", args.top_k, 0, " (0 = all tokens)"),
         ("--num-samples", args.num_samples, 1, ""),
+        ("--seed", args.seed, 0, ""),
     ):
-        if value < low:
+        if not (math.isfinite(value) and value >= low):
             parser.error(f"{flag}: expected >= {low}{note}, got {value}")
     try:
         model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=args.device)
-        encode, decode = run_codec(info["record"], args.tokenizer)
+        encode, decode = run_codec(info["record"], args.tokenizer, trust_remote_code=args.trust_remote_code)
         device = next(model.parameters()).device
         dtype = resolve_dtype(cfg.dtype, device)  # the precision the run trained in
         print(
@@ -186,9 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 encode=encode,
                 decode=decode,
             )
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"attnres sample: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, CheckpointError) as e:
+        return fail("attnres sample", e)
     if args.json:
         print(json.dumps(texts))
     else:

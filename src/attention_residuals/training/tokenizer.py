@@ -18,6 +18,13 @@ with ``attnres export-hf`` comes with a working ``AutoTokenizer`` too.
 
 Python: :func:`train_bpe`, :func:`load_tokenizer`, :func:`load_encoder` (the hook for
 :func:`attention_residuals.training.data.load_corpus`: ``encode``, ``vocab_size``, ``tokenizer_id``).
+
+No code from data: a tokenizer folder is loaded with transformers' ``trust_remote_code=False``,
+and one that asks to import Python classes from its own files (an ``auto_map`` in its
+``tokenizer_config.json`` or ``config.json``) is refused with a ``ValueError`` saying so, unless
+the caller passes ``trust_remote_code=True`` (``--trust-remote-code`` of ``train``, ``eval`` and
+``sample``). A run directory's ``config.json`` names its tokenizer folder, so this matters for
+folders one did not make.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
     "load_tokenized_corpus",
     "load_tokenizer",
     "main",
+    "remote_code_of",
     "tokenizer_id",
     "tokenizer_path_of",
     "train_bpe",
@@ -128,14 +136,41 @@ def _byte_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """``AutoTokenizer.from_pretrained(path)`` from local files only (never the network)."""
+def remote_code_of(path: str | os.PathLike) -> list[str]:
+    """The Python classes the tokenizer folder ``path`` asks transformers to import from its own
+    files (the ``auto_map`` entries of its ``tokenizer_config.json`` and ``config.json``)."""
+    found: list[str] = []
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            config = json.loads((Path(path) / name).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # absent or unreadable: transformers reads no auto_map from it either
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if auto_map:
+            values = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
+            for v in values:
+                found += [str(x) for x in (v if isinstance(v, list | tuple) else [v]) if x]
+            found = found or [f"auto_map of {name}"]
+    return found
+
+
+def load_tokenizer(path: str | os.PathLike, *, trust_remote_code: bool = False):
+    """``AutoTokenizer.from_pretrained(path)`` from local files only (never the network) and
+    without running code from the folder unless ``trust_remote_code`` (see the module docstring)."""
     from transformers import AutoTokenizer  # local: the hf extra
 
     path = Path(path)
     if not (path / TOKENIZER_FILE).is_file():
         raise FileNotFoundError(f"--tokenizer {str(path)!r}: no {TOKENIZER_FILE} in that folder")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    code = remote_code_of(path)
+    if code and not trust_remote_code:
+        raise ValueError(
+            f"--tokenizer {str(path)!r}: the folder asks to run Python code of its own "
+            f"({', '.join(code)}); refused — pass --trust-remote-code if you trust that code"
+        )
+    return AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True, trust_remote_code=trust_remote_code
+    )
 
 
 def tokenizer_id(path: str | os.PathLike) -> str:
@@ -157,9 +192,10 @@ class TokenizerHook:
     eos_token_id: int | None = None
 
 
-def load_encoder(path: str | os.PathLike) -> TokenizerHook:
-    """Load a saved tokenizer as plain ``encode``/``decode`` functions (no special tokens added)."""
-    tok = load_tokenizer(path)
+def load_encoder(path: str | os.PathLike, *, trust_remote_code: bool = False) -> TokenizerHook:
+    """Load a saved tokenizer as plain ``encode``/``decode`` functions (no special tokens added;
+    ``trust_remote_code`` as in :func:`load_tokenizer`)."""
+    tok = load_tokenizer(path, trust_remote_code=trust_remote_code)
     backend = tok.backend_tokenizer  # the Rust tokenizer: fast, no per-call Python overhead
 
     def encode(text: str) -> list[int]:
@@ -185,6 +221,7 @@ def load_tokenized_corpus(
     vocab_size: int | None = None,
     val_fraction: float | None = None,
     cache_dir: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
 ):
     """``(Corpus, TokenizerHook)``: :func:`attention_residuals.training.data.load_corpus` on ``data`` with
     the tokenizer saved at ``tokenizer`` (the glue ``attnres train --tokenizer PATH`` needs).
@@ -192,7 +229,7 @@ def load_tokenized_corpus(
     ``vocab_size`` is the model's (default: the tokenizer's); it must hold every token id.
     The token cache is keyed by the tokenizer's content (:func:`tokenizer_id`).
     """
-    hook = load_encoder(tokenizer)
+    hook = load_encoder(tokenizer, trust_remote_code=trust_remote_code)
     vocab = hook.vocab_size if vocab_size is None else vocab_size
     if vocab < hook.vocab_size:
         raise ValueError(

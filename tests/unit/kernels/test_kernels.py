@@ -570,7 +570,7 @@ def test_narrower_vector_builds_match(cflags, tmp_path):
         "        want = ref(q.detach(), v.detach().double())\n"
         "        assert (st.out[0].double() - want).abs().max() <= tol * want.abs().max()\n"
     )
-    env = dict(os.environ, ATTNRES_CFLAGS=cflags, ATTNRES_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, ATTNRES_CFLAGS=cflags, ATTNRES_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
 

@@ -125,12 +125,12 @@ def test_truncated_and_corrupt_files_raise_checkpoint_error(tmp_path):
     bad.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="bad.safetensors.*checksum"):
         load_checkpoint(bad, model=model)
-    # a same-length edit of the metadata (step 3 -> 9) is caught too
+    # a same-length edit of the metadata (step 3 -> 9) is caught too: the checksum covers the file
     (n,) = struct.unpack("<Q", blob[:8])
     header = blob[8 : 8 + n].replace(b'"step":"3"', b'"step":"9"')
     assert header != blob[8 : 8 + n]
     bad.write_bytes(blob[:8] + header + blob[8 + n :])
-    with pytest.raises(CheckpointError, match="metadata checksum"):
+    with pytest.raises(CheckpointError, match="file checksum"):
         read_checkpoint(bad)
     bad.write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointError, match="bad.safetensors"):
@@ -176,3 +176,159 @@ def test_keep_previous_and_fallback(tmp_path):
     prev.write_bytes(b"junk")
     with pytest.raises(CheckpointError, match="previous checkpoint is unusable"):
         load_latest(path, model=model)
+
+
+# --------------------------------------------------------------------------- integrity of the whole file
+
+SOAK = int(os.environ.get("ATTNRES_SOAK", "0") or 0)  # > 0: the long variant (more random faults)
+
+
+def _regions(blob: bytes) -> dict[str, int]:
+    """A byte offset in each part of a checkpoint file."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = blob[8 : 8 + n]
+    dtype_at = 8 + header.index(b'"dtype":"F32"') + len(b'"dtype":"')
+    return {
+        "header length": 0,
+        "header length, high byte": 7,
+        "header opening brace": 8,
+        "a tensor's dtype": dtype_at,
+        "a tensor's shape": 8 + header.index(b'"shape":[') + len(b'"shape":['),
+        "a tensor's data offsets": 8 + header.index(b'"data_offsets":[') + len(b'"data_offsets":['),
+        "the metadata (step)": 8 + header.index(b'"step":"') + len(b'"step":"'),
+        "the recorded config": 8 + header.index(b'"config":"') + len(b'"config":"'),
+        "the checksum itself": 8 + header.index(b'"sha256_file":"') + len(b'"sha256_file":"'),
+        "the header's last byte (padding)": 8 + n - 1,
+        "the first data byte": 8 + n,
+        "a data byte in the middle": 8 + n + (len(blob) - 8 - n) // 2,
+        "the last data byte": len(blob) - 1,
+    }
+
+
+def _flip_positions(blob: bytes) -> list[tuple[str, int]]:
+    rng = random.Random(0)
+    named = list(_regions(blob).items())
+    return named + [(f"random byte {i}", rng.randrange(len(blob))) for i in range(48 + 2000 * SOAK)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model, opt, sched = _trained("adamw")
+    path = tmp_path_factory.mktemp("ck") / "ck.safetensors"
+    save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=3, config={"model": {"d": 1}})
+    return path, path.read_bytes()
+
+
+def test_bit_flip_anywhere_in_the_file_is_caught(saved, tmp_path):
+    _, blob = saved
+    bad = tmp_path / "bad.safetensors"
+    rng = random.Random(1)
+    for what, at in _flip_positions(blob):
+        flipped = bytearray(blob)
+        flipped[at] ^= rng.randrange(1, 256)
+        bad.write_bytes(bytes(flipped))
+        with pytest.raises(CheckpointError, match="bad.safetensors") as e:
+            read_checkpoint(bad)
+        assert "Traceback" not in str(e.value), what
+
+
+def test_truncation_anywhere_is_caught(saved, tmp_path):
+    _, blob = saved
+    (n,) = struct.unpack("<Q", blob[:8])
+    cuts = [0, 1, 7, 8, 9, 8 + n - 1, 8 + n, 8 + n + 1, len(blob) - 1]
+    rng = random.Random(2)
+    cuts += [rng.randrange(len(blob)) for _ in range(16 + 500 * SOAK)]
+    bad = tmp_path / "bad.safetensors"
+    for cut in cuts:
+        bad.write_bytes(blob[:cut])
+        with pytest.raises(CheckpointError, match="bad.safetensors"):
+            read_checkpoint(bad)
+    bad.write_bytes(blob + b"\0")  # appended bytes too
+    with pytest.raises(CheckpointError, match="checksum"):
+        read_checkpoint(bad)
+
+
+def test_a_tensor_dtype_edited_in_the_header_is_caught(saved, tmp_path):
+    """The case of the issue: F32 -> I32 keeps every offset valid, so safetensors itself loads it."""
+    _, blob = saved
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = blob[8 : 8 + n].replace(b'"dtype":"F32"', b'"dtype":"I32"', 1)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(blob[:8] + header + blob[8 + n :])
+    with pytest.raises(CheckpointError, match="file checksum"):
+        read_checkpoint(bad)
+
+
+def _legacy_v1(path, model, dtype_edit=False):
+    """A checkpoint as format version 1 wrote it (data and metadata checksums only)."""
+    import hashlib
+
+    from safetensors.torch import save as st_save
+
+    tensors = {f"model/{k}": v.contiguous() for k, v in model.state_dict().items()}
+    structure, _ = flatten_state({"optimizer": None, "scheduler": None, "rng": None})
+    meta = {
+        "format": "attention_residuals.checkpoint",
+        "version": "1",
+        "step": "5",
+        "config": "{}",
+        "extra": "{}",
+        "state": json.dumps(structure),
+        "torch": torch.__version__,
+    }
+    probe = st_save(tensors, metadata={**meta, "sha256_data": "0" * 64, "sha256_meta": "0" * 64})
+    (n,) = struct.unpack("<Q", probe[:8])
+    meta["sha256_data"] = hashlib.sha256(probe[8 + n :]).hexdigest()
+    meta["sha256_meta"] = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    blob = st_save(tensors, metadata=meta)
+    if dtype_edit:
+        (n,) = struct.unpack("<Q", blob[:8])
+        blob = blob[:8] + blob[8 : 8 + n].replace(b'"dtype":"F32"', b'"dtype":"I32"', 1) + blob[8 + n :]
+    path.write_bytes(blob)
+    return path
+
+
+def test_version_1_files_still_load_and_their_dtypes_are_checked_against_the_model(tmp_path):
+    model, _, _ = _trained("adamw")
+    other = GPT(CFG)
+    info = load_checkpoint(_legacy_v1(tmp_path / "v1.safetensors", model), model=other)
+    assert info["step"] == 5 and torch.equal(other.embed.weight, model.embed.weight)
+    bad = _legacy_v1(tmp_path / "v1bad.safetensors", model, dtype_edit=True)  # v1 cannot see this edit
+    fresh = GPT(CFG)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"does not fit the model: .*int32 .* in the file, float32"):
+        load_checkpoint(bad, model=fresh)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing loaded
+
+
+def test_dtype_and_shape_are_checked_before_anything_is_loaded(saved):
+    path, _ = saved
+    wide = GPT(CFG).double()
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"float32 \[.*\] in the file, float64 \[.*\] in the model"):
+        load_checkpoint(path, model=wide)
+    assert all(torch.equal(before[k], v) for k, v in wide.state_dict().items())
+    other = GPT(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=8, residual="block", n_blocks=2))
+    with pytest.raises(
+        CheckpointError, match=r"embed.weight: float32 \[256, 16\] in the file, float32 \[256, 32\]"
+    ):
+        load_checkpoint(path, model=other)
+    deeper = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8, residual="block", n_blocks=2))
+    with pytest.raises(CheckpointError, match="missing tensors"):
+        load_checkpoint(path, model=deeper)
+
+
+def test_another_runs_checkpoint_is_refused_naming_fields_without_fallback(tmp_path):
+    from attention_residuals.training.checkpoint import CheckpointMismatchError
+
+    model, _, _ = _trained("adamw")
+    path = tmp_path / "ck.safetensors"
+    save_checkpoint(path, model=model, step=1, config={"train": {"lr": 0.1}}, keep_previous=True)
+    save_checkpoint(path, model=model, step=2, config={"train": {"lr": 0.5}}, keep_previous=True)
+
+    def check(recorded):
+        return [] if recorded == {"train": {"lr": 0.1}} else [f"train.lr: {recorded['train']['lr']} != 0.1"]
+
+    with pytest.raises(CheckpointMismatchError, match=r"another run: train.lr: 0.5 != 0.1"):
+        load_latest(path, model=GPT(CFG), check_config=check)  # the previous one would match: no fallback
+    assert load_checkpoint(previous_path(path), model=GPT(CFG), check_config=check)["step"] == 1

@@ -218,3 +218,89 @@ def test_train_command_takes_tokenizer(tmp_path, saved, capsys):
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert result["tokenizer"] == tokenizer_id(saved) and "bits_per_byte" not in result
     assert result["corpus_matches_run"] and result["val_loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+
+
+# --------------------------------------------------------------------------- no code from data
+
+EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\nfrom transformers import PreTrainedTokenizerFast\n\n\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+
+
+def _plant_code(folder, marker):
+    """Make ``folder`` a tokenizer that asks transformers to import a class from its own evil.py."""
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", "evil.EvilTokenizer"]}
+    cfg_path.write_text(json.dumps(cfg))
+    (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
+
+
+def test_a_tokenizer_folder_with_code_is_refused_everywhere(tmp_path, saved, capsys):
+    import shutil
+
+    from attention_residuals.training import make_config, train
+    from attention_residuals.training.tokenizer import load_tokenizer
+
+    marker = tmp_path / "code-ran"
+    clean = tmp_path / "clean"
+    shutil.copytree(saved, clean)
+    data = tmp_path / "c.txt"
+    data.write_text(CODE)
+    run = tmp_path / "run"
+    cfg = make_config(
+        tokenizer=str(clean), vocab_size=len(load_tokenizer(clean)), data=str(data), cache_dir=str(tmp_path / "cache"),
+        n_layer=1, n_head=2, d_model=16, seq_len=16, batch_size=2, steps=2, warmup=1, eval_interval=2,
+        eval_batches=1, progress=False, out=str(run),
+    )  # fmt: skip
+    train(cfg)
+    _plant_code(clean, marker)  # the run's own tokenizer folder gets code (tokenizer.json unchanged)
+    with pytest.raises(
+        ValueError, match=r"asks to run Python code of its own \(evil.EvilTokenizer.*--trust-remote-code"
+    ):
+        load_tokenizer(clean)
+    with pytest.raises(ValueError, match="trust-remote-code"):
+        load_encoder(clean)
+    with pytest.raises(ValueError, match="trust-remote-code"):
+        load_tokenized_corpus(clean, data, cache_dir=tmp_path / "cache")
+    for argv in (
+        [
+            "train",
+            "--tokenizer",
+            str(clean),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "new"),
+            "--steps",
+            "1",
+        ],
+        ["eval", str(run), "--cache-dir", str(tmp_path / "cache")],
+        ["sample", str(run), "--max-new-tokens", "2"],
+    ):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--trust-remote-code" in err and "Traceback" not in err, err
+    assert not marker.exists() and not (tmp_path / "new").exists()
+
+
+def test_trust_remote_code_reaches_transformers_only_when_asked(tmp_path, saved, monkeypatch):
+    import transformers
+
+    from attention_residuals.training.tokenizer import load_tokenizer, remote_code_of
+
+    seen = []
+
+    def fake(path, **kw):
+        seen.append(kw)
+        return "tokenizer"
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake)
+    assert load_tokenizer(saved) == "tokenizer" and seen[-1]["trust_remote_code"] is False
+    assert remote_code_of(saved) == []
+    import shutil
+
+    planted = tmp_path / "planted"
+    shutil.copytree(saved, planted)
+    _plant_code(planted, tmp_path / "marker")
+    assert remote_code_of(planted) == ["evil.EvilTokenizer", "evil.EvilTokenizer"]
+    assert load_tokenizer(planted, trust_remote_code=True) == "tokenizer"
+    assert seen[-1] == {"local_files_only": True, "trust_remote_code": True}

@@ -442,7 +442,7 @@ def test_flat_names_must_be_unique_and_train_config_is_flat_as_before():
     model = [f.name for f in dataclasses.fields(GPTConfig) if f.name != "residual"]
     rule = ["residual"] + [f.name for f in dataclasses.fields(ResidualConfig)][1:]  # `rule` is --residual
     assert names[: len(model) + len(rule)] == model[:5] + rule + model[5:]  # the rule's options in place
-    assert "model" not in names and "rule" not in names and names[-1] == "cache_dir"
+    assert "model" not in names and "rule" not in names and names[-2:] == ["cache_dir", "trust_remote_code"]
     from attention_residuals import train as entry  # the `attnres train` / torchrun entry module
 
     assert entry.train is train and entry.make_config is make_config and callable(entry.main)
