@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..model import GPT, GPTConfig
-from ..plotting import new_figure
+from ..plotting import matplotlib_module, new_figure
 from ..training.checkpoint import load_latest
 from ..training.data import eval_batches, load_corpus
 from . import dynamics
@@ -77,7 +77,7 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
     cmax = max(r["compute_pfs_days"] for r in rows)
     advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
-    from matplotlib import ticker
+    ticker = matplotlib_module("matplotlib.ticker")
 
     fig = new_figure((6, 4.2))
     ax = fig.subplots()

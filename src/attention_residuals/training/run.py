@@ -29,6 +29,7 @@ from ..model import GPTConfig
 from .args import to_flags
 from .checkpoint import previous_path
 from .config import PATH_FIELDS, TrainConfig, absolute
+from .data import builtin_name
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -58,7 +59,8 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = "checkpoint.safetensors"
 SUMMARY_FILE = "summary.json"
 RUN_FORMAT = 1
-DATA_IDENTITY = ("source", "sha256", "tokenizer", "vocab_size")  # the corpus fields a resume must match
+# the corpus fields a resume must match (those a run recorded: tokens_sha256 came later)
+DATA_IDENTITY = ("source", "sha256", "tokenizer", "vocab_size", "tokens_sha256")
 
 
 class RunError(RuntimeError):
@@ -184,17 +186,22 @@ class RunPlan:
     finished: dict | None = None  # the summary of a run already done: nothing to train
 
 
-def _saved_identity(saved: dict, data_keys: list[str]) -> dict:
-    """The identity recorded in a run's ``config.json``, comparable with :func:`run_identity`."""
-    train = dict(saved.get("train", {}))
+def _saved_identity(saved: dict, current: dict) -> dict:
+    """The identity recorded in a run's ``config.json``, comparable with :func:`run_identity`
+    (``current``): the training fields and corpus fields a run recorded before they existed take
+    their defaults / the current values; a built-in corpus recorded as a path is its name."""
+    train = {**TrainConfig().identity()["train"], **saved.get("train", {})}
     for key in PATH_FIELDS:  # runs recorded before paths were made absolute
         if isinstance(train.get(key), str):
             train[key] = absolute(train[key])
+    if train["data"] is not None:
+        train["data"] = builtin_name(train["data"]) or train["data"]
+    data = saved.get("data", {})
     return {
         # through GPTConfig: runs recorded with the flat rule options ("residual": "block", "heads")
         "model": GPTConfig.from_dict(saved.get("model", {})).to_dict(),
         "train": train,
-        "data": {k: saved.get("data", {}).get(k) for k in data_keys},
+        "data": {k: data.get(k) if k in data else current["data"][k] for k in current["data"]},
     }
 
 
@@ -217,7 +224,7 @@ def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
             f"{out} already holds {state} ({CONFIG_FILE} exists); pass --resume to continue it "
             f"or --overwrite to start again"
         )
-    saved = _saved_identity(json.loads(cfg_path.read_text()), list(identity["data"]))
+    saved = _saved_identity(json.loads(cfg_path.read_text()), identity)
     diff = config_diff(saved, identity)
     if diff:
         raise ConfigMismatchError(f"--resume: the config differs from {cfg_path}:\n  " + "\n  ".join(diff))
