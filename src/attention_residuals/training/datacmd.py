@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument("--out", required=True, help="the prepared folder (train.bin, val.bin, manifest.json)")
     add_flags(prep, TrainConfig, only=OPTIONS)
+    for action in prep._actions:  # a prepared folder takes the vocabulary its tokens need
+        if action.dest == "vocab_size":
+            action.help = "every token id must be below it (default: what the tokens need)"
     prep.add_argument(
         "--workers", type=int, default=None, help="tokenizer processes (default: one per CPU, up to 8)"
     )

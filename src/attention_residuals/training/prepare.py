@@ -24,7 +24,7 @@ from .data import (
     resolve_data_files,
     resolve_eot,
 )
-from .data.sources import EXTENSIONS
+from .data.sources import EXTENSIONS, split_pair
 from .tokenizer import load_tokenizer, tokenizer_id
 
 __all__ = ["data_vocab_size", "encoder_for", "load_corpus_for", "source_kind", "tokenizer_encoder"]
@@ -67,6 +67,8 @@ def source_kind(data: str | None, options: DataOptions) -> str:
         return "prepared"
     if options.format != "auto":
         return "tokens" if options.format == "tokens" else "text"
+    if split_pair(path):
+        return "tokens"
     if path.is_dir() and not any(path.iterdir()):
         return "text"
     _, rels = resolve_data_files(data)

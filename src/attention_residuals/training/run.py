@@ -189,13 +189,17 @@ class RunPlan:
 def _saved_identity(saved: dict, current: dict) -> dict:
     """The identity recorded in a run's ``config.json``, comparable with :func:`run_identity`
     (``current``): the training fields and corpus fields a run recorded before they existed take
-    their defaults / the current values; a built-in corpus recorded as a path is its name."""
+    their defaults / the current values (``eot``: ``off`` for ``--data``, which had no end-of-text
+    tokens then, so such a run resumes with ``--eot off``); a built-in corpus recorded as a path is
+    its name."""
     train = {**TrainConfig().identity()["train"], **saved.get("train", {})}
     for key in PATH_FIELDS:  # runs recorded before paths were made absolute
         if isinstance(train.get(key), str):
             train[key] = absolute(train[key])
     if train["data"] is not None:
         train["data"] = builtin_name(train["data"]) or train["data"]
+    if "eot" not in saved.get("train", {}):  # recorded before end-of-text tokens: --data had none
+        train["eot"] = "auto" if builtin_name(train["data"]) is not None else "off"
     data = saved.get("data", {})
     return {
         # through GPTConfig: runs recorded with the flat rule options ("residual": "block", "heads")

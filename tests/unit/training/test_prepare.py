@@ -68,14 +68,20 @@ def test_every_format_gives_the_same_streams(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "ds"))
     forms["datasets"] = tmp_path / "ds"
-    nano = tmp_path / "nano"  # nanoGPT's layout: train.bin and val.bin, uint16
+    import csv
+
+    with open(tmp_path / "d.csv", "w", newline="") as f:  # CSV through the datasets builder
+        csv.writer(f).writerows([["text"], *([d] for d in DOCS)])
+    nano = tmp_path / "nano"  # nanoGPT's layout: train.bin and val.bin, uint16, beside other files
     nano.mkdir()
     np.asarray(text.train, dtype=np.uint16).tofile(nano / "train.bin")
     np.asarray(text.val, dtype=np.uint16).tofile(nano / "val.bin")
+    (nano / "meta.pkl").write_bytes(b"\x80\x04N.")
     forms["tokens"] = nano
-    for name, spec in forms.items():
-        other, manifest, _ = prep(spec, tmp_path, sizes=SMALL)
-        assert manifest["data_format"] == name
+    options = {"csv": DataOptions(format="datasets")}
+    for name, spec in [*forms.items(), ("csv", tmp_path / "d.csv")]:
+        other, manifest, _ = prep(spec, tmp_path, sizes=SMALL, options=options.get(name))
+        assert manifest["data_format"] == ("datasets" if name == "csv" else name)
         assert np.array_equal(other.train, text.train) and np.array_equal(other.val, text.val), name
         assert other.digest() == text.digest()
 
@@ -272,15 +278,19 @@ def test_prepared_folder_is_bound_to_its_tokenizer(tmp_path):
         prep(root, tmp_path, out=tmp_path / "p", val_fraction=0.3)
 
 
-def test_tokenizer_training_sees_the_training_documents(tmp_path):
+def test_tokenizer_training_sees_the_training_documents(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     from attention_residuals.training.tokenizer import corpus_texts
 
+    monkeypatch.setenv("ATTNRES_CACHE", str(tmp_path / "home-cache"))
     root = write_text(tmp_path / "t")
     c = load_corpus(str(root), cache_dir=tmp_path / "cache", val_fraction=0.2)
     texts = list(corpus_texts(str(root), val_fraction=0.2))
     val = [(root / f).read_text() for f in c.val_files]
     assert sorted(texts + val) == sorted(DOCS) and not set(texts) & set(val)
+    assert not (tmp_path / "home-cache").exists()  # read from the source: no cache written
+    records = list(data.train_texts(str(write_jsonl(tmp_path / "d.jsonl")), val_fraction=0.2))
+    assert sorted(records) == sorted(texts)  # the same documents from another format
 
 
 def test_missing_extra_names_it(tmp_path, monkeypatch):

@@ -32,9 +32,8 @@ from .base import (
     default_cache_dir,
     token_dtype,
 )
-from .base import split_text as _split_text  # noqa: F401  (the name attnres tokenizer uses)
 from .batches import EVAL_SEED, TRAIN_STREAM, VAL_STREAM, eval_batches, get_batch
-from .builtin import _STDLIB_MEMO, load_stdlib_corpus, stdlib_prose  # noqa: F401
+from .builtin import _STDLIB_MEMO, load_stdlib_corpus, stdlib_prose  # noqa: F401  (tests clear the memo)
 from .encoders import Encoder
 from .files import resolve_data_files, split_files, stdlib_files
 from .load import load_corpus, needed_vocab, open_prepared, prepare_source, resolve_eot, train_texts

@@ -15,7 +15,6 @@ in its ``config.json``; a model with fewer ids is refused before anything is wri
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from .base import (
-    BLOCK_TOKENS,
     BYTE_EOT,
     DEFAULT_VAL_FRACTION,
     PRETOKENIZED,
@@ -38,10 +36,10 @@ from .base import (
 )
 from .builtin import load_stdlib_corpus
 from .encoders import Encoder
-from .pipeline import PrepareStats, Settings, cache_key, prepare
-from .readers import WorkContext
-from .sources import Source, open_source, token_file
-from .store import open_split, read_manifest, verify
+from .pipeline import DEFAULT_SHARD_BYTES, PrepareStats, Settings, cache_key, prepare
+from .readers import INDEX_DTYPE, READERS, WorkContext
+from .sources import Source, open_source, plan_shards, token_file
+from .store import choose_val, open_split, read_manifest, verify
 
 __all__ = ["load_corpus", "needed_vocab", "open_prepared", "prepare_source", "resolve_eot", "train_texts"]
 
@@ -264,18 +262,27 @@ def train_texts(
 ) -> Iterator[str]:
     """The training documents of a ``--data`` source as text, one at a time — exactly those
     ``attnres train`` trains on whatever the tokenizer, since the split depends on the
-    documents' text alone (``attnres tokenizer train`` learns its merges from them). Read back
-    from the source prepared in bytes, which keeps the end-of-text id between documents."""
-    opts = dataclasses.replace(options or DataOptions(), eot="on", eot_id=None)
-    if opts.format == "tokens":
-        raise ValueError(f"--data {os.fspath(data)!r}: pre-tokenized data has no text")
-    corpus, _, _ = prepare_source(
-        os.fspath(data), Encoder(), val_fraction=val_fraction, options=opts, cache_dir=cache_dir
-    )
-    if corpus.format == "tokens":
-        raise ValueError(f"--data {os.fspath(data)!r}: pre-tokenized data has no text")
-    tokens, start = corpus.train, 0
-    for lo in range(0, len(tokens), BLOCK_TOKENS):
-        for end in (np.flatnonzero(tokens[lo : lo + BLOCK_TOKENS] == BYTE_EOT) + lo).tolist():
-            yield np.asarray(tokens[start:end], dtype=np.uint8).tobytes().decode("utf-8")
-            start = end + 1
+    documents' text alone (``attnres tokenizer train`` learns its merges from them). Two
+    streaming passes over the source: the documents' keys, then the training documents."""
+    opts = (options or DataOptions()).validate()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    source = open_source(os.fspath(data), opts, cache)
+    if source.kinds[0] == "tokens":
+        raise ValueError(f"{source.what}: pre-tokenized data has no text")
+    plan = plan_shards(source, DEFAULT_SHARD_BYTES, val_fraction, None)
+    ctx = WorkContext(Encoder(), opts.text_field, None, 256, "uint8", source.what, source.dataset)
+
+    def pieces() -> Iterator[tuple]:
+        for shard in plan:
+            for part in shard.parts:
+                yield from READERS[part[0]](part, ctx)
+
+    index = np.array([(key, 0, last, force) for _, key, last, force in pieces()], dtype=INDEX_DTYPE)
+    val_doc, _ = choose_val(index, val_fraction, source.what)
+    doc, text = 0, []
+    for piece, _, last, _ in pieces():
+        text.append(piece)
+        if last:
+            if not val_doc[doc]:
+                yield "".join(text)
+            doc, text = doc + 1, []

@@ -9,8 +9,8 @@
 Interrupting (Ctrl-C, a crash, a kill) keeps the finished shards: a rerun with the same source
 and settings redoes only the others. Memory: each worker holds one shard's input (``shard_bytes``)
 plus one encoder batch (``batch_bytes``, with the tokenizer's working memory for it, ~30 bytes per
-input byte for the Rust BPE); the main process holds the plan and, when splitting, ~40 bytes per
-document and one shard's tokens — none of it grows with the corpus's bytes (``attnres bench data``).
+input byte for the Rust BPE); the main process holds the plan and, when splitting, an 18-byte index
+row per document and one shard's tokens — none of it grows with the corpus's bytes (``attnres bench data``).
 """
 
 from __future__ import annotations
@@ -233,6 +233,7 @@ def prepare(
             try:
                 verify(entry, manifest)
                 stats.cached, stats.seconds = True, time.perf_counter() - t0
+                stats.peak_rss_main = peak_rss_bytes()
                 return manifest, stats
             except CorruptCacheError as exc:
                 stats.rebuilt = str(exc)
@@ -245,7 +246,17 @@ def prepare(
     return manifest, stats
 
 
-def _build(source, entry, settings, ctx, key, stats, workers, progress, on_shard) -> dict:
+def _build(
+    source: Source,
+    entry: Path,
+    settings: Settings,
+    ctx: WorkContext,
+    key: dict,
+    stats: PrepareStats,
+    workers: int | None,
+    progress: bool,
+    on_shard: Callable[[dict], None] | None,
+) -> dict:
     """Plan, tokenise the shards not done yet, split, write the manifest (under the lock)."""
     plan = plan_shards(source, settings.shard_bytes, settings.val_fraction or 0.0, settings.eot_id)
     work = entry / WORK

@@ -154,7 +154,7 @@ def _parquet_pieces(part: tuple, ctx: WorkContext) -> Iterator[tuple]:
 def _dataset_pieces(part: tuple, ctx: WorkContext) -> Iterator[tuple]:
     _, split, a, b, force = part
     obj = _dataset(ctx)
-    ds = obj if split is None else obj[split]
+    ds = (obj if split is None else obj[split]).select_columns([ctx.text_field])
     for lo in range(a, b, ROWS_PER_READ):
         hi = min(b, lo + ROWS_PER_READ)
         for row, value in enumerate(ds[lo:hi][ctx.text_field], start=lo):
@@ -249,7 +249,7 @@ class _ShardWriter:
         check_ids(out, self.ctx.vocab_size)
         if out.size:
             self.max_id = max(self.max_id, int(out.max()))
-        blob = out.astype(self.ctx.dtype).tobytes()
+        blob = memoryview(np.ascontiguousarray(out, dtype=self.ctx.dtype)).cast("B")
         self.sha.update(blob)
         self.file.write(blob)
         self.tokens += out.size

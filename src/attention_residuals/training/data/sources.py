@@ -7,11 +7,13 @@ Formats (``--data-format``, by default from each file's extension or the folder'
 * ``parquet`` — ``.parquet``: one document per row, its ``--text-field`` column (``[data]`` extra).
 * ``datasets`` — a Hugging Face ``datasets`` folder written by ``save_to_disk`` (detected by its
   ``state.json`` / ``dataset_dict.json``), or with ``--data-format datasets`` any local path
-  ``datasets.load_dataset`` reads offline (a folder of data files, CSV...). A ``DatasetDict`` with
-  ``train`` and ``validation`` splits keeps them (``[data]`` extra).
+  ``datasets.load_dataset`` reads offline: a folder of data files, or one CSV / JSON / parquet /
+  text / arrow file through its packaged builder (datasets 4 runs no dataset scripts). A
+  ``DatasetDict`` with ``train`` and ``validation`` splits keeps them (``[data]`` extra).
 * ``tokens`` — pre-tokenized ``.bin`` (raw, ``--bin-dtype``: nanoGPT's uint16, or uint32) and
-  ``.npy`` files. A folder holding ``train`` and ``val`` files keeps that split; otherwise the
-  stream is split by document at ``--eot-id`` (nanoGPT's GPT-2 files end documents with 50256).
+  ``.npy`` files. A folder holding ``train.bin`` and ``val.bin`` (nanoGPT's layout) keeps that
+  split; otherwise the stream is split by document at ``--eot-id`` (nanoGPT's GPT-2 files end
+  documents with 50256). A file's end ends a document.
 
 Text formats may be mixed in one folder; pre-tokenized files may not be mixed with text.
 
@@ -46,6 +48,7 @@ __all__ = [
     "plan_shards",
     "cut_in",
     "safe_cut",
+    "split_pair",
     "token_file",
 ]
 
@@ -59,6 +62,14 @@ EXTENSIONS = {
 }
 DATASET_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes
 VAL_SPLITS = ("validation", "val", "valid", "dev")
+BUILDERS = {
+    ".csv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 WINDOW = 1 << 16  # bytes read around a cut
 TOKEN_WINDOW = 1 << 20  # tokens read at a time when looking for an end-of-text id
 
@@ -114,7 +125,8 @@ def open_source(spec: str, options: DataOptions, cache_dir: Path) -> Source:
     path = Path(spec).expanduser()
     if options.format == "datasets" or (options.format == "auto" and _is_dataset_dir(path)):
         return _dataset_source(spec, path, options, cache_dir)
-    root, rels = resolve_data_files(spec)
+    pair = split_pair(path) if options.format in ("auto", "tokens") else None
+    root, rels = (path, pair) if pair else resolve_data_files(spec)
     kinds = [_kind_of(rel, options) for rel in rels]
     if "tokens" in kinds and set(kinds) != {"tokens"}:
         odd = next(r for r, k in zip(rels, kinds) if k != "tokens")
@@ -132,8 +144,20 @@ def open_source(spec: str, options: DataOptions, cache_dir: Path) -> Source:
     return Source(spec, tuple(files), tuple(kept), corpus_sha(entries), options, given=given)
 
 
+def split_pair(path: Path) -> list[str] | None:
+    """A folder's pre-tokenized ``train.bin`` and ``val.bin`` (or ``.npy``; nanoGPT's layout, its
+    ``meta.pkl``, ``input.txt``... beside them are ignored), else None."""
+    if not path.is_dir():
+        return None
+    found = [
+        next((f"{s}{e}" for e in (".bin", ".npy") if (path / f"{s}{e}").is_file()), None)
+        for s in ("train", "val")
+    ]
+    return found if all(found) else None
+
+
 def _given_splits(rels: list[str]) -> dict[str, int]:
-    """Pre-tokenized ``train.*`` and ``val.*`` (nanoGPT's layout): their split; else none."""
+    """Pre-tokenized ``train.*`` and ``val.*`` (see :func:`split_pair`): their split; else none."""
     stems = {Path(r).stem: r for r in rels}
     if len(rels) == 2 and "train" in stems and "val" in stems:
         return {stems["train"]: 0, stems["val"]: 1}
@@ -341,6 +365,9 @@ def open_dataset(how: str, path: str, cache_dir: str) -> Any:
     try:
         if how == "disk":
             return datasets.load_from_disk(path)
+        builder = BUILDERS.get(Path(path).suffix.lower()) if Path(path).is_file() else None
+        if builder is not None:  # one data file: its packaged builder
+            return datasets.load_dataset(builder, data_files=path, cache_dir=cache_dir)
         return datasets.load_dataset(path, cache_dir=cache_dir)
     finally:
         if not was_off:
