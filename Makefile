@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[hf,dev]" "$(TORCH_PIN)" "$(TRITON_PIN)"
+	$(PY) -m pip install -q -e ".[hf,data,plots,dev]" "$(TORCH_PIN)" "$(TRITON_PIN)"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -32,7 +32,7 @@ demo: venv
 # peers, then their page. `attnres bench dist` (torch.distributed figures) is run on its own.
 BENCH := $(VENV)/bin/attnres bench
 bench: venv
-	$(PY) -m pip install -q -e ".[hf,dev,peers]" "$(TORCH_PIN)" "$(TRITON_PIN)"
+	$(PY) -m pip install -q -e ".[hf,data,plots,dev,peers]" "$(TORCH_PIN)" "$(TRITON_PIN)"
 	$(BENCH) op --repeats 7 --json results/bench/op_cpu_float32.json > /dev/null
 	$(BENCH) model --repeats 5 --json results/bench/model_cpu.json > /dev/null
 	$(BENCH) memory --json results/bench/memory_cpu.json > /dev/null

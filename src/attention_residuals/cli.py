@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, Help]] = {
         "convert a run directory to a Hugging Face model folder",
     ),
     "tokenizer": ("attention_residuals.training.tokenizer", "train a BPE tokenizer on local text"),
+    "data": (
+        "attention_residuals.training.datacmd",
+        "prepare a corpus (streamed, resumable, verified); info, verify",
+    ),
 }
 
 

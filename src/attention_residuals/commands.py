@@ -2,7 +2,8 @@
 
 A table maps name -> (target, one-line help); the target is ``"module"`` (its ``main``) or
 ``"module:function"``, imported only when chosen, so a missing optional extra only matters for the
-sub-command that needs it. Low in the import order: it imports none of the project's modules.
+sub-command that needs it, and a missing extra met while running one is one line (exit 2). Low in the
+import order: of the project it imports only :mod:`.extras`.
 
 :class:`Parser` and :func:`fail` are how a command reports bad input: one line on stderr,
 ``<prog>: error: <what is wrong>``, and exit status 2 — never a traceback, never the long usage.
@@ -15,6 +16,8 @@ import importlib
 import sys
 from collections.abc import Callable
 from typing import NoReturn
+
+from .extras import MissingExtraError
 
 __all__ = ["Help", "Parser", "dispatch", "error_line", "fail", "listing", "usage_text"]
 
@@ -69,7 +72,11 @@ def dispatch(prog: str, commands: dict[str, tuple[str, Help]], argv: list[str], 
     except (ImportError, AttributeError) as exc:
         print(f"{prog} {name}: not available ({commands[name][0]}: {exc})", file=sys.stderr)
         return 2
-    return int(func(rest) or 0)
+    try:
+        return int(func(rest) or 0)
+    except MissingExtraError as exc:  # an optional extra a feature needs: its message names it
+        print(f"{prog} {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def error_line(prog: str, error: BaseException | str) -> str:

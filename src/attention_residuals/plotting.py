@@ -1,5 +1,8 @@
 """Report helpers: loss-curve plots (matplotlib, Agg, no display needed) and markdown tables.
 
+matplotlib is the ``[plots]`` extra (``pip install "attention-residuals[plots]"``): it is imported
+when a figure is made, and its absence is a one-line error naming the extra.
+
 Used by ``attnres demo`` and by the experiment reports::
 
     curves = {"PreNorm": read_metrics("runs/demo/prenorm"), "Block": read_metrics("runs/demo/block")}
@@ -15,11 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .extras import require
+
 __all__ = [
     "ema",
     "format_count",
     "format_duration",
     "markdown_table",
+    "matplotlib_module",
     "new_figure",
     "plot_loss_curves",
     "relpath",
@@ -99,13 +105,17 @@ def relpath(path: str | os.PathLike, start: str | os.PathLike) -> str:
     return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
 
 
+def matplotlib_module(name: str = "matplotlib"):
+    """``matplotlib`` or one of its modules (the ``[plots]`` extra); a clear error naming the extra
+    when it is not installed (:class:`..extras.MissingExtraError`)."""
+    return require(name, "plots", "plotting")
+
+
 def new_figure(figsize: tuple[float, float], dpi: int = 120):
     """A matplotlib ``Figure`` on the Agg canvas: no display, no pyplot global state to close."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
+    agg = matplotlib_module("matplotlib.backends.backend_agg")
+    fig = matplotlib_module("matplotlib.figure").Figure(figsize=figsize, dpi=dpi)
+    agg.FigureCanvasAgg(fig)
     return fig
 
 

@@ -85,9 +85,16 @@ def test_python_dash_m_train_help():
 def test_train_data_errors(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    binary = tmp_path / "x.bin"
+    binary = tmp_path / "x.dat"
     binary.write_bytes(b"\x00\x01\x02" * 100)
-    cases = [(tmp_path / "missing.txt", "no such file"), (empty, "empty"), (binary, "not text")]
+    tokens = tmp_path / "x.bin"  # pre-tokenized: needs the id its documents end with to be split
+    tokens.write_bytes(b"\x00\x01" * 100)
+    cases = [
+        (tmp_path / "missing.txt", "no such file"),
+        (empty, "empty"),
+        (binary, "not text"),
+        (tokens, "--eot-id"),
+    ]
     for path, words in cases:
         rc = cli.main(
             ["train", *TINY, "--data", str(path), "--out", str(tmp_path / "o"), "--cache-dir", str(tmp_path)]

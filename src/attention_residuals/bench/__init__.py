@@ -7,6 +7,7 @@ Sub-commands (the table :data:`SUBCOMMANDS`; add one by adding a line), one modu
     attnres bench memory   activation memory of a training step per rule; per-layer I/O, report's table 1 (.memory)
     attnres bench peers    the PyPI packages' ops and steps beside ours, skipped with the reason (.peers)
     attnres bench dist     distributed figures (.dist)
+    attnres bench data     the data pipeline's tokens/s and peak memory at two corpus sizes (.data)
     attnres bench report   the JSONs of a folder as README.md with plots (.report)
 
 Shared by them: the timing harness, machine description and output (:mod:`.harness`) and the
@@ -46,6 +47,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "PyPI peers' ops and training steps beside ours",
     ),
     "dist": ("attention_residuals.bench.dist:main", "distributed (pipeline / sharded prefill) figures"),
+    "data": (
+        "attention_residuals.bench.data:bench_data",
+        "data pipeline: tokens/s and peak RSS at two corpus sizes",
+    ),
     "report": ("attention_residuals.bench.report:main", "the JSONs of a folder as README.md with plots"),
 }
 

@@ -13,14 +13,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..files import atomic_write
 from ..model import GPT, GPTConfig
-from ..plotting import new_figure
+from ..plotting import matplotlib_module, new_figure
 from ..training.checkpoint import load_latest
 from ..training.data import eval_batches, load_corpus
 from . import dynamics
 from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING
 
-__all__ = ["ANALYSES", "compute_advantage", "fit_power_law"]
+__all__ = ["ANALYSES", "DEPTH_FILE", "compute_advantage", "fit_power_law"]
+
+DEPTH_FILE = "depth_weights.json"  # a trained run's depth-weight summary, kept beside its summary.json
 
 # ---------------------------------------------------------------- fits
 
@@ -79,7 +82,7 @@ def _scaling_rows(todo, summaries) -> list[dict]:
 
 def _plot_scaling(rows: list[dict], fits: dict, path: Path) -> None:
     """Loss vs compute on log-log axes: the means, their seeds as small dots, the fitted laws."""
-    from matplotlib import ticker
+    ticker = matplotlib_module("matplotlib.ticker")
 
     fig = new_figure((6, 4.2))
     ax = fig.subplots()
@@ -236,14 +239,20 @@ def _depth_rows(todo, summaries, tpp_of, seq_len: int) -> list[dict]:
     for spec in todo:
         if spec.overrides.get("residual") == "prenorm":
             continue
-        model = _trained_model(Path(summaries[spec.name]["run_dir"]))
-        if model is None:
-            continue
-        data = spec.overrides.get("data", "stdlib")
-        if data not in batches:
-            val = load_corpus(data, vocab_size=256).val
-            batches[data] = next(iter(eval_batches(val, n_batches=1, batch_size=8, seq_len=seq_len)))[0]
-        stats = dynamics.depth_weight_summary(model, batches[data])
+        run_dir = Path(summaries[spec.name]["run_dir"])
+        cached = run_dir / DEPTH_FILE  # beside the run: the checkpoints are not committed, this is
+        if cached.is_file():
+            stats = json.loads(cached.read_text())
+        else:
+            model = _trained_model(run_dir)
+            if model is None:
+                continue
+            data = spec.overrides.get("data", "stdlib")
+            if data not in batches:
+                val = load_corpus(data, vocab_size=256).val
+                batches[data] = next(iter(eval_batches(val, n_batches=1, batch_size=8, seq_len=seq_len)))[0]
+            stats = dynamics.depth_weight_summary(model, batches[data])
+            atomic_write(cached, json.dumps(stats, indent=1))
         out.append(
             {
                 "group": spec.group,

@@ -16,7 +16,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..training import load_summary, make_config, train
+from ..training.config import TrainConfig
 from ..training.data import Corpus, load_corpus
+from ..training.prepare import data_vocab_size, load_corpus_for
 from .analyses import ANALYSES
 from .specs import (
     BUDGETS,
@@ -79,7 +81,8 @@ def check_budget(exp_dir: str | Path, budget_name: str) -> None:
 
 
 class _Corpora:
-    """The corpora of an experiment's runs, each loaded once (``data`` override, default stdlib)."""
+    """The corpora of an experiment's runs, each loaded once: the built-in ones by name, a
+    ``--data`` source through the run's own config (its end-of-text and tokenizer options)."""
 
     def __init__(self) -> None:
         self.loaded: dict[str, Corpus] = {}
@@ -89,8 +92,11 @@ class _Corpora:
             self.loaded[data] = load_corpus(data, vocab_size=256)
         return self.loaded[data]
 
-    def of(self, spec: RunSpec) -> Corpus:
-        return self(spec.overrides.get("data", "stdlib"))
+    def of(self, spec: RunSpec, cfg: TrainConfig) -> Corpus:
+        data = spec.overrides.get("data", "stdlib")
+        if data not in self.loaded:
+            self.loaded[data] = load_corpus_for(cfg)
+        return self.loaded[data]
 
 
 def _run_dir(root: str | Path, spec: RunSpec, budget_name: str) -> Path:
@@ -112,7 +118,10 @@ def _train_all(
         bar.set_postfix_str(spec.name)
         done = _finished(root, spec, budget_name)
         run_dir = _run_dir(root, spec, budget_name)
-        summaries[spec.name] = done or train(_train_config(spec, budget, run_dir), corpus=corpora.of(spec))
+        if done is None:
+            cfg = _train_config(spec, budget, run_dir)
+            done = train(cfg, corpus=corpora.of(spec, cfg))
+        summaries[spec.name] = done
     bar.close()
     return summaries
 
@@ -173,6 +182,9 @@ def run_experiment(
     budget, exp_dir = BUDGETS[budget_name], Path(root) / experiment
     if not force:
         check_budget(exp_dir, budget_name)
+    if overrides and "data" in overrides and "vocab_size" not in overrides:  # e.g. 257: bytes + end-of-text
+        vocab = data_vocab_size(make_config(**overrides))
+        overrides = {**overrides, **({"vocab_size": vocab} if vocab is not None else {})}
     every = (
         [with_overrides(s, overrides) for s in specs(experiment, budget)]
         if overrides

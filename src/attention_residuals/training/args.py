@@ -22,7 +22,7 @@ from typing import Any
 from ..commands import Parser
 from ..typed import choices_of, optional_type
 from .config import FlatField, TrainConfig, flat_fields, get_path
-from .tokenizer import load_tokenizer
+from .prepare import data_vocab_size
 
 __all__ = ["add_flags", "build_parser", "config_from_args", "flag_words", "read_config", "to_flags"]
 
@@ -80,12 +80,20 @@ def _add_flag(group: Any, ff: FlatField, default: Any) -> None:
         group.add_argument(ff.flag, help=f"{text} (default: {default})", **kw)
 
 
-def add_flags(parser: Any, cls: type, group_for: Callable[[FlatField], Any] | None = None) -> None:
+def add_flags(
+    parser: Any,
+    cls: type,
+    group_for: Callable[[FlatField], Any] | None = None,
+    only: Iterable[str] | None = None,
+) -> None:
     """One flag per leaf option of the dataclass ``cls`` (whose fields all have defaults), into
-    ``group_for(leaf)`` or ``parser``. The namespace gets only the flags given, by flat name."""
+    ``group_for(leaf)`` or ``parser`` (``only``: those flat names alone). The namespace gets only
+    the flags given, by flat name."""
     defaults = cls()
+    keep = None if only is None else set(only)
     for ff in flat_fields(cls):
-        _add_flag(group_for(ff) if group_for else parser, ff, get_path(defaults, ff.path))
+        if keep is None or ff.name in keep:
+            _add_flag(group_for(ff) if group_for else parser, ff, get_path(defaults, ff.path))
 
 
 def flag_words(ff: FlatField, value: Any) -> list[str]:
@@ -183,7 +191,8 @@ def read_config(path: str | os.PathLike) -> tuple[TrainConfig, set[str]]:
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     """Parse ``attnres train`` arguments into a :class:`TrainConfig` (argparse errors exit 2).
 
-    With ``--tokenizer`` and no vocabulary size given, the model's is the tokenizer's."""
+    With no vocabulary size given, the model's is what the data needs (:func:`.prepare.data_vocab_size`:
+    the tokenizer's; 257 for byte tokens with an end-of-text id)."""
     ns = vars(build_parser().parse_args(argv))
     base, given = TrainConfig(), set(ns)
     path = ns.pop("config", None)
@@ -191,8 +200,6 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
         base, in_file = read_config(path)
         given |= in_file
     cfg = base.replace(**ns)
-    if cfg.tokenizer is not None and "vocab_size" not in given:
-        cfg = cfg.replace(
-            vocab_size=len(load_tokenizer(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code))
-        )
+    if "vocab_size" not in given and (vocab := data_vocab_size(cfg)) is not None:
+        cfg = cfg.replace(vocab_size=vocab)
     return cfg

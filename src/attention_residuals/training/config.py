@@ -33,6 +33,7 @@ from ..typed import (
     option,
     optional_type,
 )
+from .data import DATA_FORMATS, EOT_MODES, TOKEN_DTYPES, DataOptions, builtin_name
 from .optim import OPTIMIZERS, SCHEDULES, LRSchedule
 
 __all__ = [
@@ -101,12 +102,33 @@ class TrainConfig:
     seed: int = _f(0, "seed of the initialisation and of the training batches", ge=0, lt=2**63)
     # data
     data: str | None = _f(
-        None, "text file, folder or glob (default: the Python standard library's .py files)"
+        None,
+        "text / JSONL / parquet file, folder or glob, a datasets folder, pre-tokenized .bin/.npy, or a "
+        "folder of `attnres data prepare` (default: stdlib, the Python standard library's .py files; "
+        "stdlib-docs: their docstrings and comments)",
     )
-    val_fraction: float = _f(0.05, "fraction of files held out for validation (split by file)", gt=0, lt=1)
+    val_fraction: float = _f(
+        0.05, "fraction of documents held out for validation (split by document)", gt=0, lt=1
+    )
     tokenizer: str | None = _f(
         None, "Hugging Face tokenizer folder (attnres tokenizer train); default: bytes"
     )
+    data_format: str = _f(
+        "auto", "how to read --data (auto: by extension or folder content)", choices=DATA_FORMATS
+    )
+    text_field: str = _f("text", "the field holding the text of a JSONL / parquet / datasets record")
+    eot: str = _f(
+        "auto",
+        "end-of-text token after each document: auto = on for --data, off for the built-in corpora "
+        "(bytes: id 256, vocabulary 257)",
+        choices=EOT_MODES,
+    )
+    eot_id: int | None = _f(
+        None,
+        "the end-of-text id (default: the tokenizer's; 256 for bytes); pre-tokenized --data: the id "
+        "its documents end with (nanoGPT's GPT-2 files: 50256)",
+    )
+    bin_dtype: str = _f("uint16", "token dtype of raw .bin files (nanoGPT: uint16)", choices=TOKEN_DTYPES)
     # logging / evaluation / checkpoints
     eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)", ge=1)
     eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)", ge=1)
@@ -165,6 +187,12 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: unknown fields {sorted(unknown)}")
         return cls(model=GPTConfig.from_dict(d.get("model", {})), **flat)
 
+    def data_options(self) -> DataOptions:
+        """How ``data`` is read (validated: ``ValueError`` naming the option)."""
+        return DataOptions(
+            self.data_format, self.text_field, self.eot, self.eot_id, self.bin_dtype
+        ).validate()
+
     def replace(self, **overrides: Any) -> TrainConfig:
         """A copy with flat overrides routed to their fields, however deep (see :func:`replace_flat`)."""
         return replace_flat(self, **overrides)
@@ -185,6 +213,7 @@ class TrainConfig:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite: give at most one of them")
+        self.data_options()
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
         return self
 
@@ -207,8 +236,15 @@ def absolute(path: str) -> str:
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``data`` and ``tokenizer`` as absolute paths: the run directory records them, and ``eval`` or
-    ``--resume`` may read it from another working directory."""
-    return dataclasses.replace(cfg, **{k: absolute(v) for k in PATH_FIELDS if (v := getattr(cfg, k))})
+    ``--resume`` may read it from another working directory. A built-in corpus name stays a name."""
+    return dataclasses.replace(
+        cfg,
+        **{
+            k: absolute(v)
+            for k in PATH_FIELDS
+            if (v := getattr(cfg, k)) and not (k == "data" and builtin_name(v) == v)
+        },
+    )
 
 
 # --------------------------------------------------------------------------- the flat view

@@ -99,11 +99,17 @@ def evaluate_run(
         dataclasses.replace(cfg, data=source, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     )
     corpus.check_fits(cfg.model.seq_len)
-    matches = corpus.sha256 == recorded.get("sha256")
+    # the same source, and (runs that recorded it) the same token stream: a cache rebuilt
+    # otherwise or another tokenization does not match
+    matches = corpus.sha256 == recorded.get("sha256") and recorded.get("tokens_sha256") in (
+        None,
+        corpus.digest(),
+    )
     if not matches and data is None:
         print(
-            f"warning: the corpus sha256 {corpus.sha256[:12]}... differs from the run's "
-            f"{str(recorded.get('sha256'))[:12]}... (another machine or Python?)",
+            f"warning: the corpus (sha256 {corpus.sha256[:12]}..., tokens {corpus.digest()[:12]}...) "
+            f"differs from the run's ({str(recorded.get('sha256'))[:12]}..., "
+            f"{str(recorded.get('tokens_sha256'))[:12]}...; another machine or Python?)",
             file=sys.stderr,
         )
     n = batches or cfg.eval_batches

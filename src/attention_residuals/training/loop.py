@@ -38,8 +38,9 @@ from ..parallel import data_parallel as _dp
 from ..parallel.dist import DistEnv
 from .checkpoint import load_latest, save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
-from .data import Corpus, eval_batches, get_batch, load_corpus
+from .data import Corpus, eval_batches, get_batch
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .prepare import load_corpus_for
 from .run import (
     CHECKPOINT_FILE,
     METRICS_FILE,
@@ -57,7 +58,6 @@ from .run import (
     truncate_metrics,
     write_json,
 )
-from .tokenizer import load_tokenized_corpus
 
 __all__ = [
     "MetricsWriter",
@@ -141,23 +141,6 @@ def estimate_loss(
     return total / n_batches
 
 
-def load_corpus_for(cfg: TrainConfig) -> Corpus:
-    """The corpus a run trains on: ``cfg.data`` in bytes, or through ``cfg.tokenizer``."""
-    if cfg.tokenizer is None:
-        return load_corpus(
-            cfg.data, vocab_size=cfg.model.vocab_size, val_fraction=cfg.val_fraction, cache_dir=cfg.cache_dir
-        )
-    corpus, _ = load_tokenized_corpus(
-        cfg.tokenizer,
-        cfg.data,
-        vocab_size=cfg.model.vocab_size,
-        val_fraction=cfg.val_fraction,
-        cache_dir=cfg.cache_dir,
-        trust_remote_code=cfg.trust_remote_code,
-    )
-    return corpus
-
-
 def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
@@ -204,7 +187,8 @@ def make_context(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> RunCo
         corpus = _dp.main_first(env, lambda: load_corpus_for(cfg))
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ValueError(
-            f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size}"
+            f"vocab_size: the corpus needs {corpus.vocab_size}, the model has {cfg.model.vocab_size} "
+            f"(pass --vocab-size {corpus.vocab_size})"
         )
     corpus.check_fits(cfg.model.seq_len)
     micro_batch = _dp.local_batch(cfg.batch_size, env)

@@ -52,6 +52,7 @@ from ..model import GPTConfig
 from .args import to_flags
 from .checkpoint import ConfigCheck, previous_path
 from .config import PATH_FIELDS, TrainConfig, absolute
+from .data import builtin_name
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -88,7 +89,8 @@ CHECKPOINT_FILE = "checkpoint.safetensors"
 SUMMARY_FILE = "summary.json"
 LOCK_FILE = ".lock"
 RUN_FORMAT = 1
-DATA_IDENTITY = ("source", "sha256", "tokenizer", "vocab_size")  # the corpus fields a resume must match
+# the corpus fields a resume must match (those a run recorded: tokens_sha256 came later)
+DATA_IDENTITY = ("source", "sha256", "tokenizer", "vocab_size", "tokens_sha256")
 
 
 class RunError(RuntimeError):
@@ -339,17 +341,26 @@ class RunPlan:
     finished: dict | None = None  # the summary of a run already done: nothing to train
 
 
-def _saved_identity(saved: dict, data_keys: list[str]) -> dict:
-    """The identity recorded in a run's ``config.json``, comparable with :func:`run_identity`."""
-    train = dict(saved.get("train", {}))
+def _saved_identity(saved: dict, current: dict) -> dict:
+    """The identity recorded in a run's ``config.json``, comparable with :func:`run_identity`
+    (``current``): the training fields and corpus fields a run recorded before they existed take
+    their defaults / the current values (``eot``: ``off`` for ``--data``, which had no end-of-text
+    tokens then, so such a run resumes with ``--eot off``); a built-in corpus recorded as a path is
+    its name."""
+    train = {**TrainConfig().identity()["train"], **saved.get("train", {})}
     for key in PATH_FIELDS:  # runs recorded before paths were made absolute
         if isinstance(train.get(key), str):
             train[key] = absolute(train[key])
+    if train["data"] is not None:
+        train["data"] = builtin_name(train["data"]) or train["data"]
+    if "eot" not in saved.get("train", {}):  # recorded before end-of-text tokens: --data had none
+        train["eot"] = "auto" if builtin_name(train["data"]) is not None else "off"
+    data = saved.get("data", {})
     return {
         # through GPTConfig: runs recorded with the flat rule options ("residual": "block", "heads")
         "model": GPTConfig.from_dict(saved.get("model", {})).to_dict(),
         "train": train,
-        "data": {k: saved.get("data", {}).get(k) for k in data_keys},
+        "data": {k: data.get(k) if k in data else current["data"][k] for k in current["data"]},
     }
 
 
@@ -357,11 +368,16 @@ def checkpoint_check(expected: dict, sections: tuple[str, ...] = ("model", "trai
     """The ``check_config`` of :func:`.checkpoint.load_checkpoint`: the fields in which a
     checkpoint's recorded identity differs from ``expected`` (:func:`run_identity`, or a run's
     ``config.json``), both read through :func:`_saved_identity`; only ``sections`` compared."""
-    want = _saved_identity(expected, list(DATA_IDENTITY))
-    want = {k: want[k] for k in sections}
+    full = _saved_identity(expected, {"data": {k: expected.get("data", {}).get(k) for k in DATA_IDENTITY}})
+    unrecorded = [
+        k for k in DATA_IDENTITY if k not in expected.get("data", {})
+    ]  # a record older than the field
 
     def check(recorded: dict) -> list[str]:
-        got = _saved_identity(recorded, list(DATA_IDENTITY))
+        got = _saved_identity(recorded, full)  # fields a checkpoint predates take the run's values
+        want = {k: dict(full[k]) for k in sections}
+        if "data" in want:  # and fields the run's record predates are not compared
+            want["data"].update({k: got["data"].get(k) for k in unrecorded})
         return config_diff({k: got[k] for k in sections}, want, labels=("checkpoint", "run"))
 
     return check
@@ -419,7 +435,7 @@ def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
             f"{out} already holds {state} ({CONFIG_FILE} exists); pass --resume to continue it "
             f"or --overwrite to start again"
         )
-    saved = _saved_identity(saved_record, list(identity["data"]))
+    saved = _saved_identity(saved_record, identity)
     diff = config_diff(saved, identity)
     if diff:
         raise ConfigMismatchError(f"--resume: the config differs from {cfg_path}: " + "; ".join(diff))

@@ -263,15 +263,7 @@ def corpus_texts(data: str | None = None, *, val_fraction: float | None = None) 
         for i in train_idx:
             yield (root / rels[i]).read_bytes().decode("utf-8", errors="replace")
         return
-    root, rels = d.resolve_data_files(data)
-    if len(rels) == 1:  # one file: its first part, as load_corpus splits it
-        text = (root / rels[0]).read_text(encoding="utf-8")
-        split = getattr(d, "_split_text", None)
-        yield split(text, frac, f"--data {data!r}")[0] if split else text
-        return
-    train_idx, _ = d.split_files(rels, frac)
-    for i in train_idx:
-        yield (root / rels[i]).read_text(encoding="utf-8")
+    yield from d.train_texts(data, val_fraction=frac)  # the documents attnres train trains on
 
 
 # --------------------------------------------------------------------------- CLI

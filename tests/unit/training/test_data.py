@@ -1,4 +1,4 @@
-"""Data: the stdlib corpus, --data files through datasets, the token cache, deterministic batches."""
+"""Data: the stdlib corpus, --data text files, the token cache, deterministic batches."""
 
 from __future__ import annotations
 
@@ -61,29 +61,44 @@ def test_split_files_stable_and_order_independent():
         split_files(["only"], 0.05)
 
 
-def test_data_folder_split_by_file_and_cache_reuse(tmp_path):
+def test_data_folder_split_by_document_and_cache_reuse(tmp_path):
     root = _write_corpus(tmp_path / "corpus")
     cache = tmp_path / "cache"
     c1 = load_corpus(str(root), cache_dir=cache, val_fraction=0.2)
     assert not c1.cached and isinstance(c1.train, np.memmap)
     assert set(c1.train_files).isdisjoint(c1.val_files) and len(c1.val_files) == 1
-    expect = b"".join((root / f).read_bytes() for f in c1.train_files)
-    assert bytes(np.asarray(c1.train)) == expect
+    assert sorted(c1.train_files + c1.val_files) == [f"doc{i}.txt" for i in range(6)]
+    # each file is one document, its bytes then the end-of-text id 256 (vocab 257)
+    eot = np.asarray([data.BYTE_EOT], dtype=np.uint16).tobytes()
+    expect = b"".join(
+        np.frombuffer((root / f).read_bytes(), np.uint8).astype(np.uint16).tobytes() + eot
+        for f in c1.train_files
+    )
+    assert np.asarray(c1.train).tobytes() == expect and c1.vocab_size == 257 and c1.eot_id == 256
+    assert c1.documents == (5, 1)
     c2 = load_corpus(str(root), cache_dir=cache, val_fraction=0.2)
-    assert c2.cached and c2.sha256 == c1.sha256
+    assert c2.cached and c2.sha256 == c1.sha256 and c2.digest() == c1.digest()
     assert np.array_equal(c1.train, c2.train) and np.array_equal(c1.val, c2.val)
     # an edit changes the sha and misses the cache
     (root / "doc0.txt").write_text("changed\n" * 30)
     c3 = load_corpus(str(root), cache_dir=cache, val_fraction=0.2)
     assert not c3.cached and c3.sha256 != c1.sha256
+    # raw bytes, as before: --eot off
+    raw = load_corpus(str(root), cache_dir=cache, val_fraction=0.2, options=data.DataOptions(eot="off"))
+    assert raw.vocab_size == 256 and raw.train.dtype == np.uint8 and raw.eot_id is None
 
 
-def test_data_single_file_and_glob(tmp_path):
+def test_data_single_file_split_at_a_line_and_glob(tmp_path):
     f = tmp_path / "one.txt"
     f.write_text("".join(f"line {i}\n" for i in range(200)))
-    c = load_corpus(str(f), cache_dir=tmp_path / "cache", val_fraction=0.1)
+    c = load_corpus(
+        str(f), cache_dir=tmp_path / "cache", val_fraction=0.1, options=data.DataOptions(eot="off")
+    )
     assert bytes(np.asarray(c.train)) + bytes(np.asarray(c.val)) == f.read_bytes()
     assert bytes(np.asarray(c.val)).startswith(b"line ")  # cut at a line boundary
+    assert bytes(np.asarray(c.train)).endswith(b"\n") and c.documents == (1, 1)
+    with_eot = load_corpus(str(f), cache_dir=tmp_path / "cache", val_fraction=0.1)
+    assert int(with_eot.train[-1]) == int(with_eot.val[-1]) == 256  # each part ends with it
     root = _write_corpus(tmp_path / "g", n=3)
     (root / "skip.md").write_text("not matched")
     _, rels = resolve_data_files(str(root / "*.txt"))
@@ -96,11 +111,20 @@ def test_custom_tokenizer_hook(tmp_path):
     enc = lambda s: [ord(ch) + 200 for ch in s]  # ids up to ~300: needs uint16
     c = load_corpus(str(f), encode=enc, vocab_size=512, tokenizer_id="shift200", cache_dir=tmp_path / "c")
     assert c.train.dtype == np.uint16 and int(c.train[0]) == ord("a") + 200
-    assert c.tokenizer == "shift200"
+    assert c.tokenizer == "shift200" and c.eot_id is None  # a plain function has no end-of-text id
     with pytest.raises(ValueError, match="vocab_size"):
         load_corpus(
             str(f), encode=enc, vocab_size=256, tokenizer_id="shift200-small", cache_dir=tmp_path / "c"
         )
+    eot = load_corpus(
+        str(f),
+        encode=enc,
+        vocab_size=512,
+        tokenizer_id="shift200",
+        cache_dir=tmp_path / "c",
+        options=data.DataOptions(eot_id=511),
+    )
+    assert int(eot.train[-1]) == 511 and eot.eot_id == 511
     assert token_dtype(256) == np.uint8 and token_dtype(257) == np.uint16 and token_dtype(70000) == np.uint32
 
 
@@ -116,7 +140,7 @@ def test_data_errors_name_the_flag(tmp_path):
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(ValueError, match="--data"):
         load_corpus(str(tmp_path / "emptydir"), cache_dir=tmp_path)
-    binary = tmp_path / "blob.bin"
+    binary = tmp_path / "blob.dat"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="--data.*not text"):
         load_corpus(str(binary), cache_dir=tmp_path)
@@ -151,6 +175,7 @@ def test_corpus_from_text_and_byte_roundtrip():
     c = Corpus.from_text("hello world\n" * 50, val_fraction=0.2)
     assert len(c.val) > 0 and len(c.train) > len(c.val)
     assert byte_decode(byte_encode("héllo")) == "héllo"
+    assert byte_decode([104, 105, 256, 104]) == "hi<|endoftext|>h"  # the byte-level end-of-text id
     with pytest.raises(ValueError, match="seq_len"):
         c.check_fits(10_000)
 

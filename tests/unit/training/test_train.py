@@ -273,7 +273,8 @@ def test_bad_device_names_the_argument():
 
 
 def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
-    """A run trained on a relative --data path is evaluated and resumed from anywhere."""
+    """A run trained on a relative --data path is evaluated and resumed from anywhere (byte tokens
+    with the end-of-text id: vocab 257)."""
     from attention_residuals import cli
 
     work = tmp_path / "work"
@@ -281,7 +282,13 @@ def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
     (work / "corpus.txt").write_text(TEXT)
     monkeypatch.chdir(work)
     cfg = tiny(
-        "run", steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache")
+        "run",
+        steps=6,
+        eval_interval=3,
+        stop_at=3,
+        data="corpus.txt",
+        cache_dir=str(tmp_path / "cache"),
+        vocab_size=257,
     )
     train(cfg)
     record = json.loads((work / "run" / "config.json").read_text())
@@ -297,6 +304,7 @@ def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
             data=str(work / "corpus.txt"),
             resume=True,
             cache_dir=str(tmp_path / "cache"),
+            vocab_size=257,
         )
     )
     assert done["done"]
@@ -304,13 +312,29 @@ def test_run_records_absolute_paths(tmp_path, monkeypatch, capsys):
     old = tmp_path / "old"
     monkeypatch.chdir(work)
     train(
-        tiny(old, steps=6, eval_interval=3, stop_at=3, data="corpus.txt", cache_dir=str(tmp_path / "cache"))
+        tiny(
+            old,
+            steps=6,
+            eval_interval=3,
+            stop_at=3,
+            data="corpus.txt",
+            cache_dir=str(tmp_path / "cache"),
+            vocab_size=257,
+        )
     )
     record = json.loads((old / "config.json").read_text())
     record["train"]["data"] = "corpus.txt"
     (old / "config.json").write_text(json.dumps(record))
     assert train(
-        tiny(old, steps=6, eval_interval=3, data="corpus.txt", resume=True, cache_dir=str(tmp_path / "cache"))
+        tiny(
+            old,
+            steps=6,
+            eval_interval=3,
+            data="corpus.txt",
+            resume=True,
+            cache_dir=str(tmp_path / "cache"),
+            vocab_size=257,
+        )
     )["done"]
 
 
