@@ -6,8 +6,9 @@ steps of 16 x 128 bytes) on the Python standard library's own source, PreNorm an
 (S = 2, N = 6 blocks) with seeds 0 and 1 — the same configs as the study's runs, so the demo
 reproduces its numbers. The report gives each seed, the paired difference and its spread, and
 quotes the whole study (every budget) when ``results/budget/results.json`` is there, because one
-budget is not the whole answer: the advantage of AttnRes shrinks as training gets longer. About 2
-minutes a run on 2 CPU cores. Finished runs are skipped and interrupted ones resumed.
+budget is not the whole answer: the advantage of AttnRes shrinks as training gets longer. The
+study's runs of this point took 2.2-4.6 minutes each on one CPU thread. Finished runs are skipped
+and interrupted ones resumed.
 """
 
 from __future__ import annotations
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="attnres demo",
         description="Train the PreNorm baseline and Block AttnRes (S=2) on the default corpus, two seeds each "
-        "(about 2 min a run on 2 CPU cores: one point of the budget study), then write a markdown report with "
+        "(690 steps a run: one point of the budget study), then write a markdown report with "
         "the per-seed results, their paired difference, the study's table and the loss curves as a PNG beside "
         "it. Finished runs are skipped, interrupted ones resumed.",
         epilog="example:\n  attnres demo --out runs/demo --report report.md",
