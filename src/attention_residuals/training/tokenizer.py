@@ -271,13 +271,17 @@ def corpus_texts(data: str | None = None, *, val_fraction: float | None = None) 
 
 def _train_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ValueError(
+            f"--out {str(out)!r}: not an empty folder (pass --overwrite to write the tokenizer into it)"
+        )
     texts = list(corpus_texts(args.data, val_fraction=args.val_fraction))
     if not any(texts):
         raise ValueError(f"--data {args.data!r}: no text to train on")
     tok = train_bpe(
         texts, args.vocab_size, min_frequency=args.min_frequency, special_tokens=args.special_tokens
     )
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out))
     info = {
@@ -333,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out fraction, as in attnres train (default: the data module's)",
     )
     t.add_argument("--special-tokens", nargs="*", default=[EOT], help=f"default: {EOT}")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --out (default: refuse, nothing written)",
+    )
     return p
 
 
@@ -342,4 +351,4 @@ def main(argv: list[str] | None = None) -> int:
         return _train_command(args)
     except (OSError, ValueError) as e:
         print(f"attnres tokenizer: error: {e}", file=sys.stderr)
-        return 1
+        return 2

@@ -122,8 +122,15 @@ def test_cli_trains_on_the_training_split(tmp_path, capsys):
     assert info["documents"] == len(list(corpus_texts(str(data)))) < 20  # validation files held out
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode(CODE[:300], add_special_tokens=False)) == CODE[:300]
-    assert cli.main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(out)]) == 1
-    assert "nope" in capsys.readouterr().err
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert cli.main(["tokenizer", "train", "--data", str(data), "--out", str(out)]) == 2  # not empty: refused
+    assert "not an empty folder" in capsys.readouterr().err
+    assert before == {p.name: p.stat().st_mtime_ns for p in out.iterdir()}  # nothing written
+    assert (
+        cli.main(["tokenizer", "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "new")])
+        == 2
+    )
+    assert "nope" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 def test_tokenized_corpus_feeds_training(tmp_path, saved):
