@@ -8,7 +8,8 @@ destination, which replaces a symlink planted there instead of writing through i
 leaves the old file or the new one, never half of one, plus at worst a temporary file named
 ``.<name>.tmp-*``: :func:`sweep_temp_files` removes those once the run's lock is held (no writer
 is left to finish them). :func:`open_append` opens ``metrics.jsonl`` for its rows with
-``O_NOFOLLOW``: a symlink there is an error, not a way to write outside the run directory.
+``O_NOFOLLOW``: a symlink there is an error, not a way to write outside the run directory;
+:func:`read_text` reads run files the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["TEMP_MARK", "atomic_write", "fsync_dir", "open_append", "sweep_temp_files", "temp_prefix"]
+__all__ = [
+    "TEMP_MARK",
+    "atomic_write",
+    "fsync_dir",
+    "open_append",
+    "read_text",
+    "sweep_temp_files",
+    "temp_prefix",
+]
 
 TEMP_MARK = ".tmp-"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -80,6 +89,14 @@ def open_append(path: str | os.PathLike) -> TextIO:
     symlink."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
     return os.fdopen(fd, "a")
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """The text of ``path``, not followed when it is a symlink (``OSError`` ELOOP): a run file that
+    is a link was planted, and reading through it would show another file's content as the run's."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    with os.fdopen(fd, encoding="utf-8") as f:
+        return f.read()
 
 
 def sweep_temp_files(folder: Path, names: tuple[str, ...]) -> list[Path]:

@@ -32,6 +32,7 @@ from .dist import DistEnv, destroy_distributed, guarded, init_distributed, launc
 __all__ = [
     "barrier",
     "device_for",
+    "from_main",
     "is_main",
     "local_batch",
     "main_first",
@@ -117,6 +118,17 @@ def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         with guarded("barrier"):
             dist.barrier()
+
+
+def from_main(env: DistEnv, value: T) -> T:
+    """Rank 0's ``value`` on every rank (e.g. whether rank 0 could take the run's lock, so that
+    a refusal fails every rank at once instead of leaving the others waiting for a timeout)."""
+    if env.world_size == 1:
+        return value
+    box = [value]
+    with guarded("broadcast from rank 0"):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def main_first(env: DistEnv, fn: Callable[[], T]) -> T:

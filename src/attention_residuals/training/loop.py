@@ -46,6 +46,7 @@ from .run import (
     METRICS_FILE,
     SUMMARY_FILE,
     RunError,
+    RunLockedError,
     checkpoint_check,
     clear_run,
     command_line,
@@ -577,10 +578,31 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, resolve_device(cfg.device)))
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
-        with run_lock(cfg.out, enabled=env.is_main):  # one writer per run directory
+        with _locked(cfg.out, env):  # one writer per run directory
             return _train(cfg, corpus, env)
     finally:
         _dp.teardown()
+
+
+@contextlib.contextmanager
+def _locked(out: Path, env: DistEnv):
+    """Rank 0 holds ``out``'s lock for the body; every rank learns whether it got it, so a run
+    directory in use (or not usable) fails all ranks at once with the same named error."""
+    with contextlib.ExitStack() as stack:
+        error: RunError | None = None
+        if env.is_main:
+            try:
+                stack.enter_context(run_lock(out))
+            except RunError as e:
+                error = e
+        refusal = _dp.from_main(
+            env, None if error is None else (isinstance(error, RunLockedError), str(error))
+        )
+        if error is not None:
+            raise error
+        if refusal is not None:
+            raise (RunLockedError if refusal[0] else RunError)(refusal[1])
+        yield
 
 
 def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:

@@ -47,7 +47,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no flock, no lock
     fcntl = None
 
-from ..files import atomic_write, sweep_temp_files, temp_prefix
+from ..files import atomic_write, read_text, sweep_temp_files, temp_prefix
 from ..model import GPTConfig
 from .args import to_flags
 from .checkpoint import ConfigCheck, previous_path
@@ -131,10 +131,10 @@ def write_json(path: Path, obj: Any) -> None:
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """Rows of a run's ``metrics.jsonl`` (a torn last line from a crash is ignored)."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     rows = []
-    for line in path.read_text().splitlines():
+    for line in _read_run_file(path).splitlines():
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -160,7 +160,7 @@ def read_run_record(out: Path) -> dict | None:
     if not os.path.lexists(path):
         return None
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunError(f"{path} is not a run's config.json ({type(e).__name__}: {e})") from None
     if not is_run_record(record):
@@ -170,10 +170,21 @@ def read_run_record(out: Path) -> dict | None:
 
 def load_summary(run_dir: str | os.PathLike) -> dict | None:
     path = Path(run_dir) / SUMMARY_FILE
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    if not os.path.lexists(path):
         return None
+    try:
+        return json.loads(_read_run_file(path))
+    except json.JSONDecodeError:
+        return None
+
+
+def _read_run_file(path: Path) -> str:
+    """``path``'s text; :class:`RunError` naming it when it is a symlink or unreadable."""
+    try:
+        return read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        why = "a symlink (run files are never links)" if os.path.islink(path) else f"unreadable ({e})"
+        raise RunError(f"{path}: {why}") from None
 
 
 def is_done(run_dir: str | os.PathLike) -> bool:

@@ -1,14 +1,17 @@
 """Data parallel training (DDP over gloo processes) equals the single-process run; resumes on any world size."""
 
 import json
+import os
+import time
 
 import pytest
 import torch
 
 from attention_residuals.parallel import DistributedError, spawn
-from attention_residuals.training import main, make_config, read_metrics, train
+from attention_residuals.training import RunLockedError, main, make_config, read_metrics, train
 from attention_residuals.training.checkpoint import read_checkpoint
 from attention_residuals.training.data import Corpus
+from attention_residuals.training.run import LOCK_FILE, run_lock
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
 
@@ -137,3 +140,24 @@ def test_attnres_train_detects_the_launcher(tmp_path, single):
 def test_batch_must_split_over_ranks(tmp_path):
     with pytest.raises(DistributedError, match="does not split over world_size=3"):
         spawn(_train, 3, str(tmp_path / "bad"), {}, timeout_s=60)
+
+
+def _train_refused(rank, world, out):
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    try:
+        train(tiny(out), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    except RunLockedError as e:
+        return type(e).__name__, str(e).split(" (")[0], time.perf_counter() - t0
+    return None
+
+
+def test_every_rank_fails_fast_when_the_run_directory_is_in_use(tmp_path):
+    """Another training holds the lock: rank 0 is refused, and so is every other rank at once
+    (not after the distributed timeout), with the same named error; nothing is written."""
+    out = tmp_path / "busy"
+    with run_lock(out):
+        outcomes = spawn(_train_refused, 2, str(out), timeout_s=60, group_timeout_s=30)
+        assert os.listdir(out) == [LOCK_FILE]
+    assert [o[:2] for o in outcomes] == [("RunLockedError", f"{out} is in use by another training")] * 2
+    assert max(o[2] for o in outcomes) < 20  # well before the 30 s group timeout

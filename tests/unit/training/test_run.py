@@ -10,7 +10,14 @@ import time
 import pytest
 
 from attention_residuals.files import sweep_temp_files
-from attention_residuals.training import RunError, RunLockedError, make_config, read_metrics, train
+from attention_residuals.training import (
+    RunError,
+    RunLockedError,
+    load_summary,
+    make_config,
+    read_metrics,
+    train,
+)
 from attention_residuals.training.data import Corpus
 from attention_residuals.training.run import LOCK_FILE, run_lock
 
@@ -151,12 +158,23 @@ def test_symlinked_run_files_are_replaced_not_written_through(tmp_path, corpus):
     train(tiny(out, overwrite=True), corpus=corpus)
     assert victim.read_text() == "precious"
     assert not (out / "metrics.jsonl").is_symlink() and len(read_metrics(out)) == 5
-    # planted while a run continues: --resume rewrites metrics.jsonl atomically, not through the link
+    # planted while a run continues: --resume refuses to read or write through the link, naming it
     train(tiny(out, steps=8, stop_at=4, overwrite=True), corpus=corpus)
+    rows = (out / "metrics.jsonl").read_text()
     (out / "metrics.jsonl").unlink()
     (out / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(RunError, match=r"metrics.jsonl: a symlink \(run files are never links\)"):
+        train(tiny(out, resume=True), corpus=corpus)
+    with pytest.raises(RunError, match="a symlink"):
+        read_metrics(out)  # readers do not show another file's content as the run's
+    assert victim.read_text() == "precious"
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").write_text(rows)
     assert train(tiny(out, resume=True), corpus=corpus)["done"]
-    assert victim.read_text() == "precious" and not (out / "metrics.jsonl").is_symlink()
+    (out / "summary.json").unlink()
+    (out / "summary.json").symlink_to(victim)
+    with pytest.raises(RunError, match="summary.json: a symlink"):
+        load_summary(out)
 
 
 def test_stale_temp_files_are_swept_only_for_run_files(tmp_path, corpus):
