@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attention_residuals.parallel import DistributedError, spawn
-from attention_residuals.training import RunLockedError, main, make_config, read_metrics, train
+from attention_residuals.training import RunLockedError, loop, main, make_config, read_metrics, train
 from attention_residuals.training.checkpoint import read_checkpoint
 from attention_residuals.training.data import Corpus
 from attention_residuals.training.run import LOCK_FILE, run_lock
@@ -161,3 +161,27 @@ def test_every_rank_fails_fast_when_the_run_directory_is_in_use(tmp_path):
         assert os.listdir(out) == [LOCK_FILE]
     assert [o[:2] for o in outcomes] == [("RunLockedError", f"{out} is in use by another training")] * 2
     assert max(o[2] for o in outcomes) < 20  # well before the 30 s group timeout
+
+
+def _train_rank1_dies(rank, world, out):
+    """Rank 1 is killed (os._exit) in the middle of step 5, after the step-3 checkpoint."""
+    real = loop.get_batch
+
+    def dying(*args, **kw):
+        if rank == 1 and kw["step"] == 4 * 2 + 1:  # step 4 (0-based), second micro-batch
+            os._exit(9)
+        return real(*args, **kw)
+
+    loop.get_batch = dying
+    return _train(rank, world, out, {})
+
+
+def test_a_rank_killed_mid_step_fails_the_run_fast_and_it_resumes_exactly(tmp_path, single):
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    with pytest.raises(DistributedError, match="rank 1: exited with code 9"):
+        spawn(_train_rank1_dies, 2, str(out), timeout_s=60, group_timeout_s=10)
+    assert time.perf_counter() - t0 < 50
+    assert read_checkpoint(out / "checkpoint.safetensors")[1]["step"] == 3
+    train(tiny(out, resume=True), corpus=Corpus.from_text(TEXT, val_fraction=0.1))
+    assert_same_run(out, single)
