@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TextIO
@@ -101,12 +102,15 @@ def read_text(path: str | os.PathLike) -> str:
 
 def sweep_temp_files(folder: Path, names: tuple[str, ...]) -> list[Path]:
     """Remove the temporary files :func:`atomic_write` left for the files ``names`` in ``folder``
-    (a writer killed mid-write); returns them. Call it only while no writer can be at work there
-    (the run's lock is held)."""
+    (a writer killed mid-write), and the temporary folders of sharded checkpoints named the same
+    way; returns them. Call it only while no writer can be at work there (the run's lock is held)."""
     removed = []
     for name in names:
         for p in folder.glob(f"{glob.escape(temp_prefix(Path(name)))}*"):
             with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
                 removed.append(p)
     return removed

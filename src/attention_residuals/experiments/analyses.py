@@ -16,8 +16,8 @@ import torch
 from ..files import atomic_write
 from ..model import GPT, GPTConfig
 from ..plotting import matplotlib_module, new_figure
-from ..training.checkpoint import load_latest
 from ..training.data import eval_batches, load_corpus
+from ..training.run import checkpoints_in, load_run_checkpoint
 from . import dynamics
 from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING
 
@@ -223,11 +223,11 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
 def _trained_model(run_dir: Path) -> GPT | None:
     """The final model of a run directory, or ``None`` when its checkpoint is not there (the
     committed runs keep only their config, metrics and summary)."""
-    if not (run_dir / "checkpoint.safetensors").is_file():
+    if not checkpoints_in(run_dir):
         return None
     cfg = json.loads((run_dir / "config.json").read_text())
     model = GPT(GPTConfig.from_dict(cfg["model"]))
-    load_latest(run_dir / "checkpoint.safetensors", model=model, restore_rng=False)
+    load_run_checkpoint(run_dir, model=model, restore_rng=False)
     return model.eval()
 
 

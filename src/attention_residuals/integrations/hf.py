@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from ..files import atomic_write, fsync_dir
+from ..files import atomic_write, fsync_dir, read_text
 from ..model import GPT, GPTConfig
 from ..training import tokenizer as tok
-from ..training.checkpoint import read_checkpoint, save_checkpoint
+from ..training.checkpoint import CheckpointError, save_checkpoint
 from ..training.data import BYTE_TOKENIZER
+from ..training.run import checkpoints_in, load_run_checkpoint, newest_checkpoint
 from .hf_export.configuration_attnres import AttnResConfig
 from .hf_export.modeling_attnres import AttnResForCausalLM
 
@@ -112,19 +113,27 @@ def to_gpt(model: AttnResForCausalLM) -> GPT:
 
 
 def _read_run(run_dir: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], dict, int]:
-    """Model config, model weights, run config and step of a run directory."""
-    ckpt = run_dir / CHECKPOINT
-    tensors, info = read_checkpoint(ckpt)
+    """Model config, model weights, run config and step of a run directory, read as ``eval``
+    reads it (:func:`..training.run.load_run_checkpoint`: the newest checkpoint, single-file or
+    sharded, verified, falling back to the previous one)."""
+    if not run_dir.is_dir():
+        raise CheckpointError(f"RUN_DIR {str(run_dir)!r} does not exist (or is not a run directory)")
+    _, head = newest_checkpoint(run_dir)
+    if not head:  # nothing readable: the loader names what is missing or damaged
+        load_run_checkpoint(run_dir, restore_rng=False)
     config_json = run_dir / "config.json"
-    record = json.loads(config_json.read_text()) if config_json.is_file() else {}
-    saved = info.get("config") or {}
+    record = json.loads(read_text(config_json)) if config_json.is_file() else {}
+    saved = head.get("config") or {}
     run_config = {**record, **saved}  # the checkpoint's own config wins, section by section
     for key, section in saved.items():
         if isinstance(section, dict) and isinstance(record.get(key), dict):
             run_config[key] = {**record[key], **section}
-    model_cfg = _model_config_of(run_config, where=str(ckpt))
-    weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    return model_cfg, weights, run_config, info["step"]
+    model_cfg = _model_config_of(run_config, where=str(run_dir))
+    gpt = GPT(model_cfg)
+    info, warnings = load_run_checkpoint(run_dir, model=gpt, restore_rng=False)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return model_cfg, gpt.state_dict(), run_config, info["step"]
 
 
 def _model_config_of(run_config: dict, where: str) -> GPTConfig:
@@ -217,10 +226,11 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike, *, force: b
     empty unless ``force``; an existing ``checkpoint.safetensors`` is never replaced.
     """
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
-    if (run_dir / CHECKPOINT).exists():
+    live = checkpoints_in(run_dir)
+    if live:
         raise ValueError(
-            f"RUN_DIR {str(run_dir)!r}: holds a run's resumable {CHECKPOINT}, which --import never "
-            "replaces; import into a new folder"
+            f"RUN_DIR {str(run_dir)!r}: holds a run's resumable {', '.join(live)}, which --import "
+            "never replaces; import into a new folder"
         )
     if not force:
         _require_empty(run_dir, "RUN_DIR")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .dist import DistEnv, destroy_distributed, guarded, init_distributed, launcher_env
+from .fsdp import is_sharded, sync_gradients
 
 __all__ = [
     "barrier",
@@ -98,7 +99,11 @@ def wrap(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
 
 
 def sync_context(net: torch.nn.Module, sync: bool):
-    """``net.no_sync()`` unless ``sync`` (the last micro-batch of an accumulated step)."""
+    """Skip the gradient reduction unless ``sync`` (the last micro-batch of an accumulated step):
+    DDP's ``net.no_sync()``; FSDP2 (:func:`.fsdp.sync_gradients`) reduce-scatters on the last only."""
+    inner = getattr(net, "_orig_mod", net)  # torch.compile's wrapper
+    if is_sharded(inner):
+        return sync_gradients(inner, sync)
     if sync or not isinstance(net, DistributedDataParallel):
         return contextlib.nullcontext()
     return net.no_sync()

@@ -54,6 +54,7 @@ __all__ = [
     "flatten_state",
     "load_checkpoint",
     "load_latest",
+    "peek_checkpoint",
     "previous_path",
     "read_checkpoint",
     "restore_rng_state",
@@ -353,6 +354,19 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     except Exception as e:  # a checksum-valid but malformed file: still name it
         raise CheckpointError(f"checkpoint {path} is malformed: {type(e).__name__}: {e}") from None
     return tensors, info
+
+
+def peek_checkpoint(path: str | os.PathLike) -> dict[str, Any] | None:
+    """``{"step", "config"}`` as a checkpoint's header records them, read without verifying the
+    file (None when there is no readable header): enough to tell which of two checkpoints is
+    newer and which model to build before the verified load."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(n))["__metadata__"] if n <= _MAX_HEADER else {}
+        return {"step": int(meta["step"]), "config": json.loads(meta.get("config", "{}"))}
+    except (OSError, struct.error, ValueError, KeyError, TypeError):
+        return None
 
 
 def verify_checkpoint(path: str | os.PathLike) -> bool:

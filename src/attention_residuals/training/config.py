@@ -68,7 +68,8 @@ class TrainConfig:
     """Everything a run depends on. ``model`` is a :class:`GPTConfig`; the rest is training.
 
     Fields marked run-control (``out``, ``resume``, ``overwrite``, ``stop_at``, ``progress``,
-    ``device``, ``cache_dir``, ``trust_remote_code``) steer this invocation and are not part of the run's identity:
+    ``device``, ``compile``, ``fsdp``, ``activation_checkpointing``, ``cache_dir``,
+    ``trust_remote_code``) steer this invocation and are not part of the run's identity:
     they are not compared on ``--resume``.
     """
 
@@ -146,6 +147,12 @@ class TrainConfig:
     progress: bool = _rc(True, "show a progress bar")
     device: str = _rc("auto", "cpu, cuda, cuda:N or auto")
     compile: bool = _rc(False, "torch.compile the training forward/backward (fullgraph on one process)")
+    fsdp: bool = _rc(
+        False,
+        "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2 "
+        "fully_shard per sublayer) and save sharded checkpoints (torch.distributed.checkpoint); "
+        "without it: DDP",
+    )
     activation_checkpointing: bool = _rc(
         False, "recompute every sublayer (its depth read, norm and body) in backward: saves only its sources"
     )

@@ -6,9 +6,9 @@ points elsewhere, read with the run's tokenizer (bytes, or the BPE it trained wi
 the mean cross-entropy over fixed validation windows — the same windows ``attnres train``
 evaluates on, so the numbers agree with ``metrics.jsonl``.
 
-The checkpoint is read as ``train --resume`` reads it (:func:`.checkpoint.load_latest`): verified
-whole, falling back to ``checkpoint.prev.safetensors`` with a warning when the newest one is
-damaged, and refused when it records another run's identity than the run's ``config.json``
+The checkpoint is read as ``train --resume`` reads it (:func:`.run.load_run_checkpoint`: the newest
+of the single-file and the sharded ``--fsdp`` checkpoints, read in one process): verified whole,
+falling back to the previous checkpoint with a warning when the newest one is damaged, and refused when it records another run's identity than the run's ``config.json``
 (``--checkpoint FILE``: its model config must be the run's). The run's tokenizer folder is
 loaded without running code from it unless ``--trust-remote-code``.
 """
@@ -25,11 +25,11 @@ from typing import Any
 
 from ..commands import Parser, fail
 from ..model import GPT
-from .checkpoint import CheckpointError, load_checkpoint, load_latest
+from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig
 from .data import BYTE_TOKENIZER
 from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype
-from .run import CHECKPOINT_FILE, CONFIG_FILE, RunError, checkpoint_check, log, read_run_record
+from .run import CONFIG_FILE, RunError, checkpoint_check, load_run_checkpoint, log, read_run_record
 
 __all__ = ["evaluate_run", "load_run", "main"]
 
@@ -40,7 +40,7 @@ def load_run(
     """``(model in eval mode, config, info)`` of a run directory.
 
     ``info`` has the checkpoint's ``step``, ``path`` and ``extra`` and the run's ``config.json``
-    as ``record``. The run's checkpoint is loaded through :func:`.checkpoint.load_latest` (the
+    as ``record``. The run's checkpoint is loaded through :func:`.run.load_run_checkpoint` (the
     fallback of ``train --resume``; its warnings go to stderr) and must record the run's identity;
     an explicit ``checkpoint`` file is loaded as is and must record the run's model.
 
@@ -63,8 +63,8 @@ def load_run(
         check = checkpoint_check(record, sections=("model",))
         info = load_checkpoint(Path(checkpoint), model=model, restore_rng=False, check_config=check)
     else:
-        info, warnings = load_latest(
-            run_dir / CHECKPOINT_FILE, model=model, restore_rng=False, check_config=checkpoint_check(record)
+        info, warnings = load_run_checkpoint(
+            run_dir, model=model, restore_rng=False, check_config=checkpoint_check(record)
         )
         for w in warnings:
             log(f"warning: {w}")

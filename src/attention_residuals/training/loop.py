@@ -36,7 +36,8 @@ from ..files import open_append
 from ..model import GPT
 from ..parallel import data_parallel as _dp
 from ..parallel.dist import DistEnv
-from .checkpoint import load_latest, save_checkpoint
+from ..parallel.fsdp import shard_model
+from .checkpoint import save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
 from .data import Corpus, eval_batches, get_batch
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -50,6 +51,7 @@ from .run import (
     checkpoint_check,
     clear_run,
     command_line,
+    load_run_checkpoint,
     log,
     plan_run,
     run_identity,
@@ -59,6 +61,7 @@ from .run import (
     truncate_metrics,
     write_json,
 )
+from .sharded import DCP_DIR, save_sharded
 
 __all__ = [
     "MetricsWriter",
@@ -275,9 +278,13 @@ class TrainState:
 
 
 def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
-    """A freshly initialised model (seeded by ``cfg.seed``), its optimizer and its schedule."""
+    """A freshly initialised model (seeded by ``cfg.seed``; with ``--fsdp`` sharded over the
+    ranks before the optimizer sees its parameters), its optimizer and its schedule."""
     seed_everything(cfg.seed)
     model = GPT(cfg.model).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.fsdp:
+        shard_model(model, cfg.dtype)
     optimizer = build_optimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
@@ -290,7 +297,6 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
         min_lr=cfg.min_lr,
         decay_frac=cfg.decay_frac,
     )
-    model.activation_checkpointing = cfg.activation_checkpointing
     return TrainState(model, optimizer, scheduler, scaler=grad_scaler(cfg.dtype, device))
 
 
@@ -409,8 +415,19 @@ def evaluate(ctx: RunContext, state: TrainState) -> float:
 
 
 def save_state(ctx: RunContext, state: TrainState) -> None:
-    """Checkpoint ``state`` (rank 0; the previous checkpoint is kept beside it)."""
-    if ctx.is_main:
+    """Checkpoint ``state``, the previous checkpoint kept beside it: sharded by every rank with
+    ``--fsdp`` (:func:`.sharded.save_sharded`), else one file written by rank 0."""
+    if ctx.cfg.fsdp:
+        save_sharded(
+            ctx.out / DCP_DIR,
+            model=state.model,
+            optimizer=state.optimizer,
+            scheduler=state.scheduler,
+            step=state.step,
+            config=ctx.identity,
+            extra=state.counters(),
+        )
+    elif ctx.is_main:
         save_checkpoint(
             ctx.out / CHECKPOINT_FILE,
             model=state.model,
@@ -424,10 +441,10 @@ def save_state(ctx: RunContext, state: TrainState) -> None:
 
 
 def resume_state(ctx: RunContext, state: TrainState) -> None:
-    """Load the newest good checkpoint into ``state`` (RNG included) and drop the metrics rows
-    written after it."""
-    info, warnings = load_latest(
-        ctx.out / CHECKPOINT_FILE,
+    """Load the newest good checkpoint (either format, any world size) into ``state`` (RNG
+    included) and drop the metrics rows written after it."""
+    info, warnings = load_run_checkpoint(
+        ctx.out,
         model=state.model,
         optimizer=state.optimizer,
         scheduler=state.scheduler,
@@ -578,6 +595,11 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> dict:
     cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, resolve_device(cfg.device)))
     env = _dp.setup(cfg.device)  # torchrun / any launcher: data parallel over its ranks
     try:
+        if cfg.fsdp and not env.launched:
+            raise ValueError(
+                "fsdp: FSDP2 shards over the ranks of a process group; start the run with "
+                "`torchrun --nproc-per-node N -m attention_residuals.train ...` (or drop --fsdp)"
+            )
         with _locked(cfg.out, env):  # one writer per run directory
             return _train(cfg, corpus, env)
     finally:
@@ -619,7 +641,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
         resume_state(ctx, state)
     elif ctx.is_main:
         start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
-    state.net = _dp.wrap(state.model, env)
+    state.net = state.model if cfg.fsdp else _dp.wrap(state.model, env)
     if cfg.compile:  # one graph for the bundled GPT; DDP splits its graph at bucket boundaries
         state.net = torch.compile(state.net, fullgraph=env.world_size == 1)
     state.clock = time.perf_counter()

@@ -7,6 +7,8 @@ A run lives in one directory::
                             tokens_per_s, wall_s (+ grad_norm)
     checkpoint.safetensors  weights, optimizer, scheduler, RNG, step (atomic; previous one kept
                             as checkpoint.prev.safetensors)
+    checkpoint.dcp/         instead, for a ``--fsdp`` run: the same state sharded over the ranks
+                            (:mod:`.sharded`; previous one kept as checkpoint.prev.dcp/)
     summary.json            final numbers and ``"done": true`` once all steps ran
     .lock                   held by the one training writing the folder (removed when it ends)
 
@@ -26,6 +28,10 @@ over; with the lock held, the temporary files of killed writes are swept.
 Every run file is written by :func:`.files.atomic_write` (temporary file, fsync, rename; a
 symlink planted at a run file's name is replaced, never written through) and ``metrics.jsonl``
 is appended to without following a symlink (:func:`.files.open_append`).
+
+Which checkpoint a resume (or ``eval`` / ``sample`` / ``export-hf``) reads is
+:func:`load_run_checkpoint`'s choice: the newer of the two formats (a run may switch between
+``--fsdp`` and DDP across resumes), each with its fallback to its previous checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import socket
 import sys
 import time
@@ -50,9 +57,10 @@ except ImportError:  # pragma: no cover - Windows: no flock, no lock
 from ..files import atomic_write, read_text, sweep_temp_files, temp_prefix
 from ..model import GPTConfig
 from .args import to_flags
-from .checkpoint import ConfigCheck, previous_path
+from .checkpoint import ConfigCheck, load_latest, peek_checkpoint, previous_path
 from .config import PATH_FIELDS, TrainConfig, absolute
 from .data import builtin_name
+from .sharded import DCP_DIR, DCP_PREV_DIR, load_latest_sharded, peek_sharded
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -69,9 +77,12 @@ __all__ = [
     "clear_run",
     "command_line",
     "config_diff",
+    "checkpoints_in",
     "is_done",
     "is_run_record",
+    "load_run_checkpoint",
     "load_summary",
+    "newest_checkpoint",
     "plan_run",
     "read_metrics",
     "read_run_record",
@@ -121,6 +132,41 @@ def run_files(out: Path) -> tuple[Path, ...]:
         out / METRICS_FILE,
         out / CONFIG_FILE,
     )
+
+
+def run_folders(out: Path) -> tuple[Path, ...]:
+    """The folders a run writes in ``out`` (the sharded checkpoints), deleted by :func:`clear_run`."""
+    return (out / DCP_DIR, out / DCP_PREV_DIR)
+
+
+def checkpoints_in(out: Path) -> list[str]:
+    """The names of the checkpoints (either format, newest or previous) present in ``out``."""
+    single = out / CHECKPOINT_FILE
+    return [p.name for p in (single, previous_path(single), *run_folders(out)) if os.path.lexists(p)]
+
+
+def newest_checkpoint(out: Path) -> tuple[bool, dict]:
+    """``(sharded, {"step", "config"})`` of ``out``'s newest checkpoint by the step each records
+    (headers read unverified: the load that follows verifies): a run may switch between
+    ``--fsdp`` and DDP across resumes. ``(False, {})`` when there is no readable one."""
+    single = out / CHECKPOINT_FILE
+    found = [(peek_checkpoint(p), False) for p in (single, previous_path(single))]
+    found += [(peek_sharded(p), True) for p in run_folders(out)]
+    found = [(head["step"], sharded, head) for head, sharded in found if head is not None]
+    if not found:
+        return (out / DCP_DIR).is_dir() and not os.path.lexists(single), {}  # say what is damaged
+    _, sharded, head = max(found, key=lambda f: (f[0], not f[1]))  # a tie: the single file
+    return sharded, head
+
+
+def load_run_checkpoint(out: Path, **kwargs: Any) -> tuple[dict[str, Any], list[str]]:
+    """Load ``out``'s newest checkpoint (:func:`newest_checkpoint`), single-file
+    (:func:`.checkpoint.load_latest`) or sharded (:func:`.sharded.load_latest_sharded`), with its
+    fallback to the previous one; keywords as theirs."""
+    if newest_checkpoint(out)[0]:
+        kwargs.pop("strict", None)
+        return load_latest_sharded(out / DCP_DIR, **kwargs)
+    return load_latest(out / CHECKPOINT_FILE, **kwargs)
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -222,6 +268,11 @@ def start_run_files(out: Path, record: dict) -> None:
 def clear_run(out: Path) -> None:
     """Delete the run files of ``out`` (and nothing else there); ``config.json`` last, so that a
     clear cut short still leaves a folder recognised as a run."""
+    for folder in run_folders(out):
+        if folder.is_symlink():
+            folder.unlink()
+        elif folder.is_dir():
+            shutil.rmtree(folder)
     for path in run_files(out):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -306,7 +357,7 @@ def run_lock(out: str | os.PathLike, enabled: bool = True) -> Iterator[None]:
         _remove_empty(created)
         raise
     try:
-        for p in sweep_temp_files(out, tuple(f.name for f in run_files(out))):
+        for p in sweep_temp_files(out, tuple(f.name for f in (*run_files(out), *run_folders(out)))):
             log(f"{out}: removed {p.name}, left by a write that was cut short")
         yield
     finally:
@@ -398,15 +449,15 @@ def _foreign_entries(out: Path) -> list[str]:
     """The names in ``out`` a run did not write (the lock and temporary files of run files aside)."""
     if not out.is_dir():
         return []
-    ours = {p.name for p in run_files(out)} | {LOCK_FILE}
-    prefixes = tuple(temp_prefix(p) for p in run_files(out))
+    ours = {p.name for p in (*run_files(out), *run_folders(out))} | {LOCK_FILE}
+    prefixes = tuple(temp_prefix(p) for p in (*run_files(out), *run_folders(out)))
     return sorted(n for n in os.listdir(out) if n not in ours and not n.startswith(prefixes))
 
 
 def _plan_non_run(cfg: TrainConfig, out: Path) -> RunPlan:
     """A folder without a run's ``config.json``: empty (or absent) is a new run; one holding
     other files only with ``--overwrite`` (the run files' names are replaced, nothing else)."""
-    taken = [p.name for p in run_files(out) if os.path.lexists(p)]
+    taken = [p.name for p in (*run_files(out), *run_folders(out)) if os.path.lexists(p)]
     other = _foreign_entries(out) + taken
     if other and not cfg.overwrite:
         shown = ", ".join(other[:5]) + (" ..." if len(other) > 5 else "")
@@ -426,7 +477,7 @@ def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
     non-empty one that holds no run, without ``--overwrite``) and :class:`ConfigMismatchError`
     when resuming with another config."""
     out = Path(cfg.out)
-    cfg_path, ckpt_path = out / CONFIG_FILE, out / CHECKPOINT_FILE
+    cfg_path = out / CONFIG_FILE
     if os.path.lexists(out) and not out.is_dir():
         raise RunError(f"--out {out}: exists and is not a folder")
     try:
@@ -454,5 +505,5 @@ def plan_run(cfg: TrainConfig, identity: dict) -> RunPlan:
     if summary and summary.get("done") and summary.get("step") == cfg.steps:
         log(f"{out}: already finished ({cfg.steps} steps), nothing to do")
         return RunPlan(finished=summary)
-    resuming = os.path.lexists(ckpt_path) or os.path.lexists(previous_path(ckpt_path))
+    resuming = bool(checkpoints_in(out))
     return RunPlan(resume=resuming, clear=not resuming)  # config written but no checkpoint yet: start over

@@ -1,0 +1,265 @@
+"""FSDP2 training (``--fsdp`` over gloo processes) equals the single-process run; its sharded
+checkpoints (torch.distributed.checkpoint) resume exactly on another world size, with or without
+FSDP, and are read by eval; damaged, foreign or planted checkpoints are refused."""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from attention_residuals.parallel import spawn
+from attention_residuals.training import make_config, read_metrics, train
+from attention_residuals.training.checkpoint import CheckpointError, CheckpointMismatchError
+from attention_residuals.training.data import Corpus
+from attention_residuals.training.evaluate import load_run
+from attention_residuals.training.loop import estimate_loss
+from attention_residuals.training.sharded import DCP_DIR, DCP_PREV_DIR, MANIFEST
+
+TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in range(300))
+
+
+def tiny(out, **kw):
+    base = dict(
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        seq_len=16,
+        batch_size=4,
+        grad_accum=2,
+        steps=6,
+        warmup=1,
+        eval_interval=3,
+        eval_batches=2,
+        log_interval=1,
+        progress=False,
+        residual="block",
+        block_size=2,
+        out=str(out),
+    )
+    base.update(kw)
+    return make_config(**base)
+
+
+def corpus():
+    return Corpus.from_text(TEXT, val_fraction=0.1)
+
+
+def _train(rank, world, out, kw):
+    torch.set_num_threads(1)
+    return train(tiny(out, **kw), corpus=corpus())["final_train_loss"]
+
+
+def rows(run):
+    return [(r["step"], r["train_loss"], r["val_loss"]) for r in read_metrics(run)]
+
+
+def assert_same_losses(a, b, rel=1e-5):
+    ra, rb = rows(a), rows(b)
+    assert [r[0] for r in ra] == [r[0] for r in rb]
+    for (_, ta, va), (_, tb, vb) in zip(ra, rb, strict=True):
+        assert ta == pytest.approx(tb, rel=rel, abs=1e-6) if ta is not None else tb is None
+        assert va == pytest.approx(vb, rel=rel, abs=1e-6) if va is not None else vb is None
+
+
+def weights_of(run):
+    """The model weights of a run's newest checkpoint, whichever format (as ``eval`` loads it)."""
+    return load_run(run)[0].state_dict()
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights_of(a), weights_of(b)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(tiny(out), corpus=corpus())
+    finally:
+        torch.set_num_threads(n)
+    return out
+
+
+@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True}], ids=["plain", "recompute"])
+def test_fsdp_equals_single_process(tmp_path, single, extra):
+    """2 ranks, FSDP2 per sublayer, gradient accumulation over 2 micro-batches (and with every
+    sublayer recomputed in backward): losses, gradients (through the updates they make) and final
+    weights equal the single-process run's."""
+    out = tmp_path / "fsdp"
+    finals = spawn(_train, 2, str(out), {"fsdp": True, **extra}, timeout_s=180)
+    assert finals[0] == finals[1]
+    assert_same_losses(out, single)
+    norms = [[r.get("grad_norm") for r in read_metrics(run)] for run in (out, single)]
+    assert norms[0][1:] == pytest.approx(norms[1][1:], rel=1e-5)  # the total norm over the shards
+    assert_same_weights(out, single)
+    assert (out / DCP_DIR / MANIFEST).is_file() and not (out / "checkpoint.safetensors").exists()
+    assert sorted(p.name for p in (out / DCP_DIR).iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        MANIFEST,
+    ]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fsdp_mixed_precision_tracks_the_single_process_run(tmp_path, dtype):
+    """The mixed-precision policy (parameters gathered in ``dtype``, float32 master weights and
+    gradient reduction; float16 with its gradient scaler) under autocast: the training losses
+    follow the single-process autocast run's within bf16/fp16 rounding."""
+    spawn(_train, 2, str(tmp_path / "fsdp"), {"fsdp": True, "dtype": dtype}, timeout_s=180)
+    _train(0, 1, str(tmp_path / "one"), {"dtype": dtype})
+    got, want = ([r["train_loss"] for r in read_metrics(tmp_path / k)][1:] for k in ("fsdp", "one"))
+    assert len(got) == 6 and got == pytest.approx(want, rel=2e-3)
+    assert json.loads((tmp_path / "fsdp" / "config.json").read_text())["train"]["dtype"] == dtype
+
+
+def test_sharded_checkpoint_resumes_on_other_world_sizes(tmp_path, single):
+    """FSDP on 2 ranks to step 3, FSDP on 4 ranks to step 5, then one process without FSDP:
+    the same run as the uninterrupted one (DCP reshards on load)."""
+    out = tmp_path / "run"
+    spawn(_train, 2, str(out), {"fsdp": True, "stop_at": 3}, timeout_s=180)
+    assert (out / DCP_DIR).is_dir() and not (out / DCP_PREV_DIR).exists()
+    spawn(_train, 4, str(out), {"fsdp": True, "stop_at": 5, "resume": True}, timeout_s=180)
+    assert (out / DCP_PREV_DIR).is_dir()  # the step-3 checkpoint kept as the previous one
+    train(tiny(out, resume=True), corpus=corpus())  # single process, plain model, single-file
+    assert_same_losses(out, single)
+    assert_same_weights(out, single)
+
+
+def test_eval_and_sample_read_a_sharded_run(tmp_path, single):
+    """``attnres eval`` / ``sample`` / ``export-hf`` (one process, no process group) load the newest sharded
+    checkpoint into a plain model: the same weights and loss as the single-process run's."""
+    out = tmp_path / "fsdp"
+    spawn(_train, 2, str(out), {"fsdp": True}, timeout_s=180)
+    _, _, info = load_run(out)
+    assert info["path"] == out / DCP_DIR and info["step"] == 6
+    assert_same_weights(out, single)
+    val = corpus().val
+    got, want = (
+        estimate_loss(load_run(r)[0], val, n_batches=2, batch_size=4, seq_len=16) for r in (out, single)
+    )
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """A 2-rank FSDP run stopped at step 5: checkpoint.dcp (step 5) and checkpoint.prev.dcp (3)."""
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    spawn(_train, 2, str(out), {"fsdp": True, "stop_at": 3}, timeout_s=180)
+    spawn(_train, 2, str(out), {"fsdp": True, "stop_at": 5, "resume": True}, timeout_s=180)
+    return out
+
+
+def copy_of(run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst, symlinks=True)
+    return dst
+
+
+def finish(out, capsys):
+    """Resume ``out`` in one process to the end; the warnings it printed."""
+    capsys.readouterr()
+    train(tiny(out, resume=True), corpus=corpus())
+    return capsys.readouterr().err
+
+
+def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(tmp_path, single, sharded_run, capsys):
+    out = copy_of(sharded_run, tmp_path)
+    shard = out / DCP_DIR / "__1_0.distcp"
+    blob = bytearray(shard.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # one bit
+    shard.write_bytes(bytes(blob))
+    err = finish(out, capsys)
+    assert "__1_0.distcp: sha256 differs" in err and "loaded the previous good checkpoint" in err
+    assert "resuming at step 3/6" in err
+    assert_same_losses(out, single)
+
+
+def test_a_write_killed_between_the_renames_resumes_from_the_previous_one(
+    tmp_path, single, sharded_run, capsys
+):
+    """The state a kill leaves after ``checkpoint.dcp`` became the previous one and before the
+    new folder took its name: the half-done folder is swept, the previous checkpoint resumes."""
+    out = copy_of(sharded_run, tmp_path)
+    shutil.rmtree(out / DCP_PREV_DIR)
+    os.replace(out / DCP_DIR, out / DCP_PREV_DIR)
+    (out / f".{DCP_DIR}.tmp-save").mkdir()
+    (out / f".{DCP_DIR}.tmp-save" / "__0_0.distcp").write_bytes(b"half")
+    err = finish(out, capsys)
+    assert "resuming at step 5/6" in err and "tmp-save" in err  # swept, and said so
+    assert not (out / f".{DCP_DIR}.tmp-save").exists()
+    assert_same_losses(out, single)
+
+
+def test_every_sharded_checkpoint_damaged_is_a_named_error(tmp_path, sharded_run):
+    out = copy_of(sharded_run, tmp_path)
+    (out / DCP_DIR / "__0_0.distcp").write_bytes(b"")
+    (out / DCP_PREV_DIR / MANIFEST).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp.*the previous checkpoint is unusable too"):
+        train(tiny(out, resume=True), corpus=corpus())
+
+
+def test_a_sharded_checkpoint_of_another_run_is_refused(tmp_path, sharded_run):
+    out = copy_of(sharded_run, tmp_path)
+    other = tmp_path / "other"
+    spawn(_train, 2, str(other), {"fsdp": True, "stop_at": 3, "lr": 1e-3}, timeout_s=180)
+    shutil.rmtree(out / DCP_DIR)
+    shutil.copytree(other / DCP_DIR, out / DCP_DIR)
+    with pytest.raises(CheckpointMismatchError, match="lr"):
+        train(tiny(out, resume=True), corpus=corpus())
+
+
+class _Planted:
+    """Unpickling this runs code (makes a folder): what a planted DCP index would do to a plain
+    ``pickle.load``."""
+
+    def __init__(self, mark):
+        self.mark = str(mark)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.mark,))
+
+
+def test_a_planted_index_runs_no_code(tmp_path, sharded_run):
+    """A ``.metadata`` pickle that would run code, with a manifest recomputed to match it (an
+    attacker controls the whole folder): refused by the restricted unpickler, nothing runs."""
+    out = copy_of(sharded_run, tmp_path)
+    folder, mark = out / DCP_DIR, tmp_path / "code-ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Planted(mark)))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    blob = (folder / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    body = {k: v for k, v in manifest.items() if k != "sha256_manifest"}
+    manifest["sha256_manifest"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    (folder / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
+    shutil.rmtree(out / DCP_PREV_DIR)
+    with pytest.raises(CheckpointError, match=r"mkdir is not part of a checkpoint index"):
+        load_run(out)
+    assert not mark.exists()
+
+
+def test_a_file_planted_in_a_sharded_checkpoint_is_refused(tmp_path, sharded_run):
+    out = copy_of(sharded_run, tmp_path)
+    (out / DCP_DIR / "__9_0.distcp").write_bytes(b"x")
+    shutil.rmtree(out / DCP_PREV_DIR)
+    with pytest.raises(CheckpointError, match=r"__9_0.distcp is not part of it"):
+        load_run(out)
+
+
+def test_fsdp_without_a_launcher_is_a_clear_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="fsdp: .*torchrun"):
+        train(tiny(out, fsdp=True), corpus=corpus())
+    assert not out.exists()
