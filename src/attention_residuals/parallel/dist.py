@@ -230,16 +230,37 @@ def guarded(what: str, peer: int | None = None) -> Iterator[None]:
         ) from exc
 
 
+def _flat_items(value: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        out.update(_flat_items(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
 def check_consistent(value: Any, what: str, group=None) -> None:
-    """Raise :class:`DistributedError` on every rank unless all ranks pass an equal ``value``."""
+    """Raise :class:`DistributedError` on every rank unless all ranks pass an equal ``value``
+    (for dicts, e.g. a run config, the message names the differing fields)."""
     if not dist.is_initialized():
         return
     values: list[Any] = [None] * dist.get_world_size(group)
     with guarded(f"consistency check of {what}"):
         dist.all_gather_object(values, value, group=group)
-    if any(v != values[0] for v in values):
-        listing = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
-        raise DistributedError(f"ranks disagree on {what}: {listing}")
+    if all(v == values[0] for v in values):
+        return
+    if all(isinstance(v, dict) for v in values):
+        ref = _flat_items(values[0])
+        diffs = []
+        for i, v in enumerate(values[1:], start=1):
+            mine = _flat_items(v)
+            for key in sorted(ref.keys() | mine.keys()):
+                if ref.get(key) != mine.get(key):
+                    diffs.append(f"rank {i} has {key}={mine.get(key)!r} where rank 0 has {ref.get(key)!r}")
+        more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
+        raise DistributedError(f"ranks disagree on {what}: " + "; ".join(diffs[:5]) + more)
+    listing = ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(values))
+    raise DistributedError(f"ranks disagree on {what}: {listing}")
 
 
 # --------------------------------------------------------------------------- local multi-process runs

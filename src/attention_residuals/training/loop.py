@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from ..files import open_append
 from ..model import GPT
 from ..parallel import data_parallel as _dp
-from ..parallel.dist import DistEnv
+from ..parallel.dist import DistEnv, check_consistent
 from ..parallel.fsdp import shard_model
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
@@ -629,6 +629,8 @@ def _locked(out: Path, env: DistEnv):
 
 def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     ctx = make_context(cfg, corpus, env)
+    # a rank started with other flags would hang the others in a collective, or train another run
+    check_consistent({**ctx.identity, "run": cfg.to_dict()["run"]}, "the run's config")
     plan = plan_run(cfg, ctx.identity)
     if plan.finished is not None:
         return plan.finished

@@ -75,17 +75,23 @@ def test_expected_world_size_mismatch():
         spawn(_expect, 2, timeout_s=30)
 
 
-def _disagree(rank, world):
+def _disagree(rank, world, value):
     from attention_residuals.parallel import check_consistent
 
-    check_consistent({"n_layer": 2 + rank}, "model config")
+    check_consistent(value(rank), "model config")
 
 
 def test_check_consistent_names_each_rank():
+    with pytest.raises(DistributedError, match=r"ranks disagree on model config: rank 0: 2, rank 1: 3"):
+        spawn(_disagree, 2, lambda rank: 2 + rank, timeout_s=30)
+
+
+def test_check_consistent_names_the_differing_fields_of_a_config():
     with pytest.raises(
-        DistributedError, match=r"ranks disagree on model config: rank 0: \{'n_layer': 2\}, rank 1"
+        DistributedError,
+        match=r"ranks disagree on model config: rank 1 has model.n_layer=3 where rank 0 has 2$",
     ):
-        spawn(_disagree, 2, timeout_s=30)
+        spawn(_disagree, 2, lambda rank: {"model": {"n_layer": 2 + rank, "d": 8}}, timeout_s=30)
 
 
 def test_spawn_returns_results_in_rank_order():

@@ -6,13 +6,15 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
+import time
 
 import pytest
 import torch
 
-from attention_residuals.parallel import spawn
-from attention_residuals.training import make_config, read_metrics, train
+from attention_residuals.parallel import DistributedError, spawn
+from attention_residuals.training import loop, make_config, read_metrics, train
 from attention_residuals.training.checkpoint import CheckpointError, CheckpointMismatchError
 from attention_residuals.training.data import Corpus
 from attention_residuals.training.evaluate import load_run
@@ -263,3 +265,49 @@ def test_fsdp_without_a_launcher_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(ValueError, match="fsdp: .*torchrun"):
         train(tiny(out, fsdp=True), corpus=corpus())
     assert not out.exists()
+
+
+def _train_rank_flags(rank, world, out, per_rank):
+    torch.set_num_threads(1)
+    return train(tiny(out, **per_rank[rank]), corpus=corpus())["final_train_loss"]
+
+
+@pytest.mark.parametrize(
+    "per_rank, named",
+    [
+        ([{}, {"lr": 1e-3}], "rank 1 has train.lr=0.001 where rank 0 has 0.003"),
+        ([{"fsdp": True}, {}], "rank 1 has run.fsdp=False where rank 0 has True"),
+    ],
+    ids=["lr", "fsdp"],
+)
+def test_ranks_with_different_configs_fail_fast_and_name_the_field(tmp_path, per_rank, named):
+    """A rank launched with other flags would train another run or wait forever in a collective
+    the others never enter: every rank fails at once, naming the field, before anything is written."""
+    out = tmp_path / "run"
+    with pytest.raises(DistributedError, match=re.escape(named)):
+        spawn(_train_rank_flags, 2, str(out), per_rank, timeout_s=60)
+    assert not out.exists() or sorted(p.name for p in out.iterdir()) == []
+
+
+def _fsdp_rank1_dies(rank, world, out):
+    """Rank 1 is killed (os._exit) in the middle of step 5, after the step-3 checkpoint."""
+    real = loop.get_batch
+
+    def dying(*args, **kw):
+        if rank == 1 and kw["step"] == 4 * 2 + 1:  # step 4 (0-based), second micro-batch
+            os._exit(9)
+        return real(*args, **kw)
+
+    loop.get_batch = dying
+    return _train(rank, world, out, {"fsdp": True})
+
+
+def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(tmp_path, single):
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    with pytest.raises(DistributedError, match="rank 1: exited with code 9"):
+        spawn(_fsdp_rank1_dies, 2, str(out), timeout_s=60, group_timeout_s=10)
+    assert time.perf_counter() - t0 < 50
+    assert json.loads((out / DCP_DIR / MANIFEST).read_text())["step"] == 3
+    train(tiny(out, resume=True), corpus=corpus())
+    assert_same_losses(out, single)
