@@ -3,7 +3,8 @@
 * :mod:`.dist` — process groups with timeouts, launcher detection, clear errors, local spawn.
 * :mod:`.pipeline` — pipeline parallel Block AttnRes, naive vs cross-stage-cached block traffic.
 * :mod:`.prefill` — hidden-dim sharded and sequence-chunked prefill of the block states.
-* :mod:`.data_parallel` — DDP wrapping and rank-0 checkpointing for ``torchrun`` training.
+* :mod:`.data_parallel` — the hooks of ``torchrun`` training: process group, DDP, batch slicing.
+* :mod:`.fsdp` — FSDP2 ``fully_shard`` of the GPT per sublayer, with a mixed-precision policy.
 """
 
 from .dist import (

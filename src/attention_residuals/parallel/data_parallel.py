@@ -15,6 +15,8 @@ by any launcher that sets ``RANK`` / ``WORLD_SIZE``) makes :func:`setup` create 
   skips the all-reduce on all but the last micro-batch (:func:`sync_context`).
 * the logged loss is the mean over ranks (:func:`mean`); only rank 0 writes the run directory
   (config, metrics, checkpoints, summary: saved once); every rank reads the checkpoint to resume.
+  With ``--fsdp`` the model is sharded instead of wrapped (:mod:`.fsdp`) and every rank writes its
+  shards of the checkpoint (``training.sharded``).
 """
 
 from __future__ import annotations
