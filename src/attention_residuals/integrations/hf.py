@@ -67,6 +67,7 @@ __all__ = [
 EXPORT_FILE = "attnres_export.json"  # beside an exported model: where it came from
 CHECKPOINT = "checkpoint.safetensors"
 _GPT_FIELDS = tuple(f.name for f in fields(GPTConfig))
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register() -> None:
@@ -153,15 +154,20 @@ def _require_empty(folder: Path, what: str) -> None:
 
 
 def export_hf(
-    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = None
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | str | None = None
 ) -> Path:
-    """Convert a run directory (``config.json`` + ``checkpoint.safetensors``) to a self-contained
-    HF model folder. ``out_dir`` must be new or empty; it appears complete or not at all."""
+    """Convert a run directory (``config.json`` + its newest checkpoint, single-file or sharded)
+    to a self-contained HF model folder. ``out_dir`` must be new or empty; it appears complete or
+    not at all. ``dtype``: the weights' dtype; ``"run"`` (the CLI's default): the precision the run
+    trained in (:func:`run_dtype`); None: as stored (float32)."""
+    if dtype is not None and dtype != "run" and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: expected a torch.dtype, 'run' or None, got {dtype!r}")
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     _require_empty(out_dir, "OUT_DIR")
     gpt_cfg, weights, run_config, step = _read_run(run_dir)
     model = AttnResForCausalLM(config_from_gpt(gpt_cfg, architectures=["AttnResForCausalLM"]))
     model.model.load_state_dict(weights, strict=True)
+    dtype = run_dtype(run_config) if dtype == "run" else dtype
     if dtype is not None:
         model.to(dtype)
     tokenizer, note = _export_tokenizer(run_config, gpt_cfg)
@@ -175,7 +181,13 @@ def export_hf(
         # the run's training config and corpus identity travel along, so that --import gives back a
         # run that `attnres eval` reads on its own corpus (an HF loader ignores this file)
         run = {key: run_config[key] for key in ("train", "data") if isinstance(run_config.get(key), dict)}
-        record = {"run_dir": str(run_dir.resolve()), "step": step, "tokenizer": note, "run": run}
+        record = {
+            "run_dir": str(run_dir.resolve()),
+            "step": step,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "tokenizer": note,
+            "run": run,
+        }
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=1))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -187,6 +199,13 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(out_dir.parent)
     return out_dir
+
+
+def run_dtype(run_config: dict) -> torch.dtype:
+    """The precision a run trained in (its recorded ``--dtype``: bf16/fp16 autocast, else float32),
+    what ``export-hf`` writes the weights in by default so that an HF user computes as it trained."""
+    name = (run_config.get("train") or {}).get("dtype", "float32")
+    return _DTYPES.get(name, torch.float32)
 
 
 def _export_tokenizer(run_config: dict, gpt_cfg: GPTConfig):
@@ -247,8 +266,6 @@ def import_hf(hf_dir: str | os.PathLike, run_dir: str | os.PathLike, *, force: b
 
 # --------------------------------------------------------------------------- CLI
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -260,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("src", help="RUN_DIR (or HF_DIR with --import)")
     parser.add_argument("dst", help="OUT_DIR, new or empty (or RUN_DIR with --import)")
     parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: keep)"
+        "--dtype",
+        choices=["run", *sorted(_DTYPES)],
+        default="run",
+        help="the weights' dtype (default run: the precision the run trained in, float32 for a "
+        "float32 run, bfloat16 for a bf16-autocast run)",
     )
     parser.add_argument(
         "--import", dest="reverse", action="store_true", help="convert HF_DIR back to RUN_DIR"
@@ -277,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.reverse:
             print(f"wrote {import_hf(args.src, args.dst, force=args.force)}")
         else:
-            out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype))
-            note = json.loads((out / EXPORT_FILE).read_text())["tokenizer"]
-            print(f"wrote {out} with {note}")
+            out = export_hf(args.src, args.dst, dtype=_DTYPES.get(args.dtype, args.dtype))
+            record = json.loads((out / EXPORT_FILE).read_text())
+            print(
+                f"wrote {out} ({record['dtype']} weights, step {record['step']}) with {record['tokenizer']}"
+            )
             print(f"load it with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
     except (OSError, ValueError, RuntimeError) as e:
         message = " ".join(str(e).split())  # one line

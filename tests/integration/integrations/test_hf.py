@@ -183,12 +183,12 @@ def test_bad_inputs_are_rejected_with_the_argument_named(idx):
         hf(idx, position_ids=torch.full_like(idx, -1))
 
 
-def make_run(run_dir, model: GPT, tokenizer=None):
+def make_run(run_dir, model: GPT, tokenizer=None, dtype="float32"):
     """A run directory as ``attnres train`` writes it (config.json + checkpoint.safetensors)."""
     record = {
         "format": 1,
         "model": model.config.to_dict(),
-        "train": {"steps": 1},
+        "train": {"steps": 1, "dtype": dtype},
         "data": {"tokenizer": "bytes"},
     }
     if tokenizer is not None:
@@ -248,6 +248,24 @@ def test_export_hf_dtype_and_tokenizer(tmp_path, idx):
     assert loaded.padding_side == "left"
     text = "def foo(bar): return bar"
     assert loaded.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    "trained, flag, written",
+    [
+        ("bfloat16", [], torch.bfloat16),  # the precision the run trained in
+        ("float32", [], torch.float32),
+        ("bfloat16", ["--dtype", "float32"], torch.float32),
+    ],
+)
+def test_export_hf_writes_the_run_precision_by_default(tmp_path, capsys, trained, flag, written):
+    make_run(tmp_path / "run", trained_like(tiny("block", vocab_size=256)), dtype=trained)
+    assert cli.main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), *flag]) == 0
+    name = str(written).removeprefix("torch.")
+    assert f"({name} weights, step 1)" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert hf.model.embed.weight.dtype == written
+    assert json.loads((tmp_path / "hf" / "attnres_export.json").read_text())["dtype"] == name
 
 
 def test_export_hf_errors_name_the_problem(tmp_path, capsys):

@@ -22,6 +22,11 @@ embedding, ``h_2``, ..., ``h_{L-2}``) and the final normalised output, ``n_layer
 in Llama. ``output_attentions``: the sequence attention weights ``[B, heads, T, S]`` per attention
 sublayer (computed eagerly when asked). Positions past ``max_position_embeddings`` (the training
 context) are computed (RoPE extrapolates; quality there is not what training measured).
+
+Schedule: prefill and decode here run the plain schedule (one depth read per sublayer, the KV
+cache for the sequence attention); the exact two-phase block schedule of
+``attention_residuals.GPT`` (``attnres sample``) is not part of this file, which depends on torch
+and transformers only. :meth:`AttnResForCausalLM.inference_schedule` says so programmatically.
 """
 
 from __future__ import annotations
@@ -505,6 +510,11 @@ class AttnResForCausalLM(AttnResPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.model.lm_head = value
+
+    def inference_schedule(self) -> str:
+        """The depth schedule :meth:`forward` and ``generate`` run: always ``"plain"`` here (see
+        the module docstring; ``attention_residuals.GPT.inference_schedule`` has two-phase)."""
+        return "plain"
 
     def create_masks_for_generate(self, attention_mask=None, **unused):
         """``generate`` hands the 2D padding mask on as it is: :meth:`forward` builds its own."""
