@@ -1,7 +1,10 @@
 """Floor 5: torch.distributed for Attention Residuals.
 
 * :mod:`.dist` — process groups with timeouts, launcher detection, clear errors, local spawn.
-* :mod:`.pipeline` — pipeline parallel Block AttnRes, naive vs cross-stage-cached block traffic.
+* :mod:`.pipeline` — the pipeline layout and its traffic formulas; the hand-rolled GPipe runtime
+  ``attnres bench dist`` still measures.
+* :mod:`.pipelining` — pipeline parallel Block AttnRes on ``torch.distributed.pipelining`` (GPipe,
+  1F1B, interleaved 1F1B) with the cross-stage block cache.
 * :mod:`.prefill` — hidden-dim sharded and sequence-chunked prefill of the block states.
 * :mod:`.data_parallel` — the hooks of ``torchrun`` training: process group, DDP, batch slicing.
 * :mod:`.fsdp` — FSDP2 ``fully_shard`` of the GPT per sublayer, with a mixed-precision policy.

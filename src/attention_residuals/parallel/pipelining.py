@@ -1,0 +1,285 @@
+"""Pipeline-parallel Block AttnRes on ``torch.distributed.pipelining``, with the cross-stage cache.
+
+The model is cut as in :class:`.pipeline.PipelineLayout`: ``C = P * V`` contiguous chunks of
+sublayers, chunk ``c`` on rank ``c % P`` as its virtual stage ``c // P``. Each chunk is a
+:class:`StageModule` handed to a ``PipelineStage``; the schedule is PyTorch's own
+(``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` for ``V > 1``), so the
+ordering of microbatches, the sends/receives and the backward are torch's. A rank keeps only the
+modules of its chunks (plus the depth-mixing module, a few vectors per sublayer, which every chunk
+reads).
+
+What a stage sends. A Block AttnRes layer reads all completed blocks ``b_0, b_1, ...`` plus the
+open partial sum, so the state between chunks is that list. A stage's output is the stacked tensor
+``[k, B, T, d]`` of the blocks the *next* chunk does not hold yet (and the partial):
+
+``naive``   every block and the partial, on every hop;
+``cached``  the report's scheme (section 4.1): a rank keeps, for its later virtual stage, the
+            blocks its earlier virtual stage held as input (received, or ``b_0`` computed by chunk
+            0), so a hop into chunk ``c >= P`` sends only the blocks that appeared since chunk
+            ``c - P`` ran. Bytes per token: :func:`.pipeline.derived_transfers` (the report's
+            ``P(P-1)/2 N_p + (V-1) P^2 N_p`` for aligned chunks, plus ``b_0``), against
+            ``C(C-1)/2 N_p`` naive.
+
+The cache inside a rank and autograd. Chunk ``c - P`` puts a detached copy of each of its input
+blocks (a fresh leaf) in a per-rank FIFO (one entry per microbatch: every schedule runs a stage's
+forwards in microbatch order), chunk ``c`` takes it out. The backward of chunk ``c`` runs before
+that of chunk ``c - P`` for the same microbatch (``c`` depends on ``c - P``'s outputs), and
+accumulates the blocks' gradient into the leaves; chunk ``c - P`` reads its blocks through
+:class:`_Tap`, whose backward adds those accumulated gradients, so a block's gradient is complete
+(every use, on every stage) when it is sent back over the hop it arrived on.
+
+The depth-attention parameters (every sublayer's pseudo-query and key norm live in one module) and
+a tied embedding are used by several ranks: :meth:`PipelinedGPT.sync_shared_grads` sums their
+gradients over the pipeline group after the schedule ran.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from ..connections import BlockAttnRes, ResidualState
+from ..model import GPT
+from .dist import DistributedError, guarded
+from .pipeline import PipelineLayout
+
+__all__ = ["PP_SCHEDULES", "PP_SCHEMES", "PipelinedGPT", "StageModule"]
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PP_SCHEMES = ("naive", "cached")
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on ``x``; its backward adds the gradient later chunks of this rank accumulated
+    into ``leaf`` (the cached copy of ``x`` they read)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+        ctx.leaf = leaf
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        extra = ctx.leaf.grad
+        ctx.leaf = None
+        return (grad if extra is None else grad + extra), None
+
+
+@dataclass
+class _Shared:
+    """What the chunks of one rank share: the cache FIFOs and the bytes each chunk sent."""
+
+    cache: dict[int, collections.deque]
+    sent_elements: dict[int, int]
+
+
+class StageModule(nn.Module):
+    """Chunk ``chunk`` of a Block AttnRes :class:`GPT`: its sublayers and their norms, the
+    embedding on chunk 0, the final norm and LM head on the last chunk.
+
+    ``forward``: chunk 0 takes token ids ``[B, T]``; the others the stacked blocks the hop into
+    them carries, ``[k, B, T, d]`` (:meth:`.PipelineLayout.hop`). The last chunk returns logits
+    ``[B, T, vocab]``; the others the stacked blocks of the hop out of them.
+    """
+
+    def __init__(self, model: GPT, layout: PipelineLayout, chunk: int, scheme: str, shared: _Shared) -> None:
+        super().__init__()
+        self.layout, self.chunk, self.scheme, self._shared = layout, chunk, scheme, shared
+        self.first_layer = layout.bounds[chunk]
+        layers = layout.layers(chunk)
+        self.layers = nn.ModuleList(model.layers[l] for l in layers)
+        self.norms = nn.ModuleList(model.norms[l] for l in layers)
+        self.residual = model.residual
+        self.embed = model.embed if chunk == 0 else None
+        last = chunk == layout.chunks - 1
+        self.norm_f = model.norm_f if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def _input_state(self, x: torch.Tensor) -> tuple[ResidualState, list[torch.Tensor]]:
+        """The blocks (cached ones first, then the received ones) and the partial."""
+        if self.chunk == 0:
+            emb = self.embed(x)
+            return ResidualState(blocks=[emb]), [emb]
+        first, n, partial = self.layout.hop(self.chunk, self.scheme)
+        cached = self._shared.cache[self.chunk].popleft() if first else []
+        if len(cached) != first:
+            raise RuntimeError(
+                f"pipeline cache of chunk {self.chunk}: {len(cached)} blocks, the hop needs {first}"
+            )
+        got = list(x.unbind(0))
+        blocks = cached + got[: n - first]
+        return ResidualState(blocks=blocks, partial=got[-1] if partial else None), blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state, blocks = self._input_state(x)
+        later = self.chunk + self.layout.stages  # this rank's next virtual stage
+        if self.scheme == "cached" and later < self.layout.chunks:
+            leaves = [b.detach().requires_grad_(True) for b in blocks]
+            state.blocks = [_Tap.apply(b, leaf) for b, leaf in zip(blocks, leaves, strict=True)]
+            self._shared.cache[later].append(leaves)
+        T = state.blocks[0].shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for i, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=True)):
+            l = self.first_layer + i
+            self.residual.write(state, l, layer(norm(self.residual.read(state, l)), cos, sin))
+        if self.lm_head is not None:
+            return self.lm_head(self.norm_f(self.residual.final(state)))
+        first, n, partial = self.layout.hop(self.chunk + 1, self.scheme)
+        if len(state.blocks) != n or (state.partial is not None) != partial:
+            raise RuntimeError(f"pipeline layout mismatch after chunk {self.chunk}")  # a bug, not input
+        out = torch.stack(state.blocks[first:n] + ([state.partial] if partial else []))
+        self._shared.sent_elements[self.chunk] += out.numel()
+        return out
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+class PipelinedGPT:
+    """This rank's part of a Block AttnRes :class:`GPT` pipelined over ``group`` (default: the
+    world; ``P`` = its size) with ``virtual`` stages per rank.
+
+    Every rank builds the same ``model`` (same seed) and passes it here; the chunks of the other
+    ranks are dropped from this object (let ``model`` go out of scope to free them). ``step``
+    runs one batch through the schedule and leaves the gradients in ``.grad``.
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        *,
+        virtual: int = 1,
+        schedule: str = "1f1b",
+        scheme: str = "cached",
+        microbatches: int = 2,
+        group=None,
+    ) -> None:
+        if schedule not in PP_SCHEDULES:
+            raise ValueError(f"schedule: expected one of {PP_SCHEDULES}, got {schedule!r}")
+        if scheme not in PP_SCHEMES:
+            raise ValueError(f"scheme: expected one of {PP_SCHEMES}, got {scheme!r}")
+        if not isinstance(model.residual, BlockAttnRes):
+            raise ValueError(
+                f"model: pipelining carries Block AttnRes states, got residual={model.config.residual.rule!r}"
+            )
+        if (schedule == "interleaved") != (virtual > 1):
+            raise ValueError(
+                f"virtual: the interleaved schedule needs virtual > 1 (and only it), got {virtual}"
+            )
+        if not dist.is_initialized():
+            raise DistributedError("pipelining needs a process group: run under torchrun (or spawn)")
+        self.group, self.scheme, self.microbatches = group, scheme, microbatches
+        stages = dist.get_world_size(group)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches: expected a positive integer, got {microbatches!r}")
+        if schedule != "gpipe" and microbatches < stages:
+            raise ValueError(
+                f"microbatches: {schedule} needs at least {stages} (one per stage) to fill the pipeline, got {microbatches}"
+            )
+        self.rank = dist.get_rank(group)
+        self.layout = PipelineLayout.build(
+            model.residual.n_layers, model.residual.block_size, stages, virtual
+        )
+        self._shared = _Shared(
+            cache={c: collections.deque() for c in range(self.layout.chunks)},
+            sent_elements=collections.Counter(),
+        )
+        device = model.lm_head.weight.device
+        self.modules = [
+            StageModule(model, self.layout, c, scheme, self._shared) for c in self.layout.chunks_of(self.rank)
+        ]
+        self.stages = [
+            PipelineStage(m, c, self.layout.chunks, device, group=group)
+            for m, c in zip(self.modules, self.layout.chunks_of(self.rank), strict=True)
+        ]
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[
+            schedule
+        ]
+        target = self.stages if schedule == "interleaved" else self.stages[0]
+        # gradients are averaged over the microbatches here, once per parameter: torch's per-stage
+        # scaling would divide a module shared by two stages of this rank (the depth-mixing one) twice
+        self.schedule = kind(target, n_microbatches=microbatches, loss_fn=_loss, scale_grads=False)
+        self._tied_shape = model.lm_head.weight.shape if model.config.tie_embeddings else None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's chunks (give these to its optimizer), each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _shared_parameters(self) -> list[tuple[nn.Parameter | None, torch.Size]]:
+        """Parameters used on several ranks, the same list on every rank (None where this rank does
+        not hold it): the depth-mixing module's, and the embedding tied to the LM head."""
+        shared: list[tuple[nn.Parameter | None, torch.Size]] = [
+            (p, p.shape) for p in self.modules[0].residual.parameters()
+        ]
+        if self._tied_shape is not None:
+            mine = [m.embed.weight for m in self.modules if m.embed is not None]
+            mine += [m.lm_head.weight for m in self.modules if m.lm_head is not None]
+            shared.append((mine[0] if mine else None, self._tied_shape))
+        return shared
+
+    def sync_shared_grads(self) -> None:
+        """Sum the shared parameters' gradients over the pipeline ranks (one all-reduce)."""
+        if self.layout.stages == 1:
+            return
+        shared = self._shared_parameters()
+        device = self.modules[0].rope_cos.device
+        flat = torch.cat(
+            [
+                (
+                    p.grad if p is not None and p.grad is not None else torch.zeros(shape, device=device)
+                ).flatten()
+                for p, shape in shared
+            ]
+        )
+        with guarded("all-reduce of the shared parameters' gradients"):
+            dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p, shape in shared:
+            n = shape.numel()
+            if p is not None:
+                p.grad = flat[offset : offset + n].view(shape).clone()
+            offset += n
+
+    def step(self, idx: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward and backward of one batch split into ``microbatches``: ``idx`` ``[B, T]`` on the
+        rank of chunk 0, ``targets`` on the rank of the last chunk (None elsewhere). Returns the
+        mean loss on the last chunk's rank (None elsewhere); gradients are in ``.grad``, the shared
+        ones summed over the ranks."""
+        given = idx if idx is not None else targets
+        if given is not None and given.shape[0] % self.microbatches:
+            raise ValueError(
+                f"idx: the batch of {given.shape[0]} does not split into microbatches={self.microbatches}"
+            )
+        self._shared.sent_elements.clear()
+        losses: list[torch.Tensor] = []
+        last = self.layout.rank_of(self.layout.chunks - 1) == self.rank
+        kwargs = {}
+        if last:
+            kwargs = {"target": targets, "losses": losses}
+        args = (idx,) if self.layout.rank_of(0) == self.rank else ()
+        with guarded(f"pipeline schedule step (rank {self.rank})"):
+            self.schedule.step(*args, **kwargs)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.div_(self.microbatches)
+        self.sync_shared_grads()
+        if any(self._shared.cache.values()):
+            raise RuntimeError("pipeline cache not drained after the step")  # a bug, not input
+        return torch.stack(losses).mean() if last else None
+
+    def sent_elements(self) -> dict[int, int]:
+        """Elements each of this rank's chunks sent forward in the last step (its output tensors)."""
+        return dict(self._shared.sent_elements)

@@ -1,0 +1,133 @@
+"""Pipeline-parallel Block AttnRes on torch.distributed.pipelining (gloo, 2 and 4 processes):
+loss and every gradient equal one process for GPipe, 1F1B and interleaved 1F1B, with and without
+the cross-stage cache; the bytes each stage sends are the layout's (the report's formula)."""
+
+import pytest
+import torch
+
+from attention_residuals.model import GPT, GPTConfig
+from attention_residuals.parallel import DistributedError, spawn
+from attention_residuals.parallel.pipeline import derived_transfers
+from attention_residuals.parallel.pipelining import PipelinedGPT
+
+B, T, D, V = 4, 8, 16, 32
+
+
+def config(tie=False, block_size=2):
+    return GPTConfig(
+        n_layer=4,
+        n_head=2,
+        d_model=D,
+        seq_len=T,
+        vocab_size=V,
+        residual="block",
+        block_size=block_size,
+        tie_embeddings=tie,
+    )
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def _pipelined(rank, world, kw, tie, block_size):
+    torch.manual_seed(0)
+    model = GPT(config(tie, block_size))
+    names = {id(p): n for n, p in model.named_parameters()}
+    pp = PipelinedGPT(model, microbatches=world, **kw)
+    results = []
+    for seed in (1, 2):  # two steps: the second has no metadata inference in it
+        for p in pp.parameters():
+            p.grad = None
+        x, y = batch(seed)
+        loss = pp.step(x if rank == 0 else None, y)
+        grads = {names[id(p)]: p.grad.clone() for p in pp.parameters() if p.grad is not None}
+        results.append((None if loss is None else float(loss), grads, pp.sent_elements()))
+    return results
+
+
+def reference(tie, block_size, seed):
+    torch.manual_seed(0)
+    model = GPT(config(tie, block_size))
+    x, y = batch(seed)
+    _, loss = model(x, y)
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+CASES = [
+    (2, {"schedule": "gpipe", "scheme": "naive"}, False),
+    (2, {"schedule": "1f1b", "scheme": "cached"}, True),
+    (2, {"schedule": "interleaved", "virtual": 2, "scheme": "cached"}, True),
+    (2, {"schedule": "interleaved", "virtual": 2, "scheme": "naive"}, False),
+    (4, {"schedule": "1f1b", "scheme": "cached"}, False),
+    (4, {"schedule": "interleaved", "virtual": 2, "scheme": "cached"}, True),
+]
+
+
+@pytest.mark.parametrize(
+    "world, kw, tie",
+    CASES,
+    ids=[f"{w}x{k['schedule']}-{k['scheme']}{'-tied' if t else ''}" for w, k, t in CASES],
+)
+def test_pipelining_equals_one_process(world, kw, tie):
+    out = spawn(_pipelined, world, kw, tie, 2, timeout_s=120)
+    for step, seed in enumerate((1, 2)):
+        want_loss, want = reference(tie, 2, seed)
+        losses = [r[step][0] for r in out]
+        assert losses[:-1] == [None] * (world - 1) and losses[-1] == pytest.approx(want_loss, rel=1e-6)
+        got = {}
+        for r in out:
+            for name, g in r[step][1].items():
+                if name in got:  # held by two ranks (a tied embedding): the same summed gradient
+                    torch.testing.assert_close(g, got[name], rtol=0, atol=0)
+                got[name] = g
+        assert sorted(got) == sorted(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("block_size", [2, 3])
+@pytest.mark.parametrize("world, virtual", [(2, 2), (4, 2)])
+def test_bytes_sent_are_the_layouts(world, virtual, block_size):
+    """What each stage sends per step (its output tensor), cached and naive, is the layout's
+    count of ``[B, T, d]`` tensors; the cached total is the closed form of the report's scheme."""
+    totals = {}
+    for scheme in ("naive", "cached"):
+        kw = {"schedule": "interleaved", "virtual": virtual, "scheme": scheme}
+        out = spawn(_pipelined, world, kw, False, block_size, timeout_s=120)
+        sent = {c: n for r in out for c, n in r[1][2].items()}  # the second step
+        pp_layout = _layout(world, virtual, block_size)
+        for c in range(pp_layout.chunks - 1):
+            assert sent[c] == pp_layout.tensors_sent(c + 1, scheme) * B * T * D, (scheme, c)
+        totals[scheme] = sum(sent.values()) // (B * T * D)
+        assert totals[scheme] == derived_transfers(pp_layout.bounds, block_size, world, scheme)
+    assert totals["cached"] < totals["naive"]
+
+
+def _layout(world, virtual, block_size):
+    from attention_residuals.parallel.pipeline import PipelineLayout
+
+    return PipelineLayout.build(8, block_size, world, virtual)
+
+
+def _bad(rank, world, kw, model_kw):
+    torch.manual_seed(0)
+    PipelinedGPT(GPT(GPTConfig(n_layer=2, n_head=2, d_model=D, seq_len=T, vocab_size=V, **model_kw)), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, model_kw, message",
+    [
+        ({}, {"residual": "full"}, "pipelining carries Block AttnRes states, got residual='full'"),
+        ({"schedule": "interleaved"}, {"residual": "block"}, "interleaved schedule needs virtual > 1"),
+        ({"schedule": "zb"}, {"residual": "block"}, "schedule: expected one of"),
+        ({"scheme": "cached_all"}, {"residual": "block"}, "scheme: expected one of"),
+        ({"microbatches": 1}, {"residual": "block"}, "microbatches: 1f1b needs at least 2"),
+    ],
+)
+def test_bad_pipelines_are_named_errors_on_every_rank(kw, model_kw, message):
+    with pytest.raises(DistributedError, match="rank 0") as err:
+        spawn(_bad, 2, kw, model_kw, timeout_s=60)
+    assert message in str(err.value)
