@@ -140,10 +140,6 @@ class StageModule(nn.Module):
         return out
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
-
-
 class PipelinedGPT:
     """This rank's part of a Block AttnRes :class:`GPT` pipelined over ``group`` (default: the
     world; ``P`` = its size) with ``virtual`` stages per rank.
@@ -205,10 +201,16 @@ class PipelinedGPT:
             schedule
         ]
         target = self.stages if schedule == "interleaved" else self.stages[0]
-        # gradients are averaged over the microbatches here, once per parameter: torch's per-stage
-        # scaling would divide a module shared by two stages of this rank (the depth-mixing one) twice
-        self.schedule = kind(target, n_microbatches=microbatches, loss_fn=_loss, scale_grads=False)
+        # the loss is scaled here (1 / microbatches, times the caller's scale): torch's own
+        # per-stage gradient scaling would divide a module two stages of this rank share (the
+        # depth-mixing one) twice, and could not leave gradients accumulated by earlier calls alone
+        self._scale = 1.0
+        self.schedule = kind(target, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
         self._tied_shape = model.lm_head.weight.shape if model.config.tie_embeddings else None
+        owned = {id(p) for p in self.parameters()}
+        for p in model.parameters():  # the other ranks' chunks: not trained, not checkpointed here
+            if id(p) not in owned:
+                p.requires_grad_(False)
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's chunks (give these to its optimizer), each once."""
@@ -253,32 +255,77 @@ class PipelinedGPT:
                 p.grad = flat[offset : offset + n].view(shape).clone()
             offset += n
 
-    def step(self, idx: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward and backward of one batch split into ``microbatches``: ``idx`` ``[B, T]`` on the
-        rank of chunk 0, ``targets`` on the rank of the last chunk (None elsewhere). Returns the
-        mean loss on the last chunk's rank (None elsewhere); gradients are in ``.grad``, the shared
-        ones summed over the ranks."""
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return ce * self._scale
+
+    def _run(self, run, idx: torch.Tensor | None, targets: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """``run`` (the schedule's ``step`` or ``eval``) over one batch; the mean loss, on every rank."""
         given = idx if idx is not None else targets
         if given is not None and given.shape[0] % self.microbatches:
             raise ValueError(
                 f"idx: the batch of {given.shape[0]} does not split into microbatches={self.microbatches}"
             )
         self._shared.sent_elements.clear()
+        self._scale = scale / self.microbatches
         losses: list[torch.Tensor] = []
-        last = self.layout.rank_of(self.layout.chunks - 1) == self.rank
-        kwargs = {}
-        if last:
-            kwargs = {"target": targets, "losses": losses}
+        last = self.layout.rank_of(self.layout.chunks - 1)
+        kwargs = {"target": targets, "losses": losses} if last == self.rank else {}
         args = (idx,) if self.layout.rank_of(0) == self.rank else ()
-        with guarded(f"pipeline schedule step (rank {self.rank})"):
-            self.schedule.step(*args, **kwargs)
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.div_(self.microbatches)
-        self.sync_shared_grads()
+        with guarded(f"pipeline schedule (rank {self.rank})"):
+            run(*args, **kwargs)
         if any(self._shared.cache.values()):
             raise RuntimeError("pipeline cache not drained after the step")  # a bug, not input
-        return torch.stack(losses).mean() if last else None
+        device = self.modules[0].rope_cos.device
+        loss = (
+            torch.stack([l.detach().float() for l in losses]).sum() / scale
+            if losses
+            else torch.zeros((), device=device)
+        )
+        with guarded("loss broadcast from the last stage"):
+            dist.broadcast(
+                loss,
+                dist.get_global_rank(self.group, last) if self.group is not None else last,
+                group=self.group,
+            )
+        return loss
+
+    def step(
+        self, idx: torch.Tensor | None, targets: torch.Tensor | None, *, scale: float = 1.0, sync: bool = True
+    ) -> torch.Tensor:
+        """Forward and backward of one batch split into ``microbatches``: ``idx`` ``[B, T]`` on the
+        rank of chunk 0, ``targets`` on the rank of the last chunk (None elsewhere allowed). The
+        gradient of ``scale`` times the mean loss is added to ``.grad`` (gradient accumulation:
+        ``scale = 1 / micro-batches``); ``sync`` (the last of them) sums the shared parameters'
+        gradients over the ranks. Returns the (unscaled) mean loss on every rank."""
+        loss = self._run(self.schedule.step, idx, targets, scale)
+        if sync:
+            self.sync_shared_grads()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, idx: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """The mean loss of one batch, forward only (the schedule's ``eval``), on every rank."""
+        return self._run(self.schedule.eval, idx, targets, 1.0)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The total gradient norm over every rank's parameters (shared ones counted once), and
+        the gradients scaled to ``max_norm`` when it is above (``max_norm > 0``), as
+        ``torch.nn.utils.clip_grad_norm_`` does for one process."""
+        counted = [p for p in self.parameters() if p.grad is not None]
+        if self.rank != self.layout.rank_of(0):  # the shared ones are counted on chunk 0's rank
+            shared = {id(p) for p, _ in self._shared_parameters() if p is not None}
+            counted = [p for p in counted if id(p) not in shared]
+        device = self.modules[0].rope_cos.device
+        sq = sum((p.grad.detach().float().pow(2).sum() for p in counted), torch.zeros((), device=device))
+        with guarded("all-reduce of the gradient norm"):
+            dist.all_reduce(sq, group=self.group)
+        total = sq.sqrt()
+        if max_norm and max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for p in self.parameters() if p.grad is not None], max_norm, total
+            )
+        return total
 
     def sent_elements(self) -> dict[int, int]:
         """Elements each of this rank's chunks sent forward in the last step (its output tensors)."""

@@ -43,17 +43,50 @@ def _pipelined(rank, world, kw, tie, block_size):
         x, y = batch(seed)
         loss = pp.step(x if rank == 0 else None, y)
         grads = {names[id(p)]: p.grad.clone() for p in pp.parameters() if p.grad is not None}
-        results.append((None if loss is None else float(loss), grads, pp.sent_elements()))
+        results.append((float(loss), grads, pp.sent_elements()))
+    # gradient accumulation over two batches (shared gradients summed once, at the end), the
+    # global gradient norm, and a forward-only evaluation
+    for p in pp.parameters():
+        p.grad = None
+    for seed, sync in ((1, False), (2, True)):
+        x, y = batch(seed)
+        pp.step(x if rank == 0 else None, y, scale=0.5, sync=sync)
+    norm = float(pp.clip_grad_norm_(0.0))
+    grads = {names[id(p)]: p.grad.clone() for p in pp.parameters() if p.grad is not None}
+    x, y = batch(1)
+    results.append((float(pp.evaluate(x if rank == 0 else None, y)), grads, norm))
     return results
 
 
-def reference(tie, block_size, seed):
+def reference(tie, block_size, *seeds):
+    """One process: the mean loss over ``seeds``' batches and its gradients."""
     torch.manual_seed(0)
     model = GPT(config(tie, block_size))
-    x, y = batch(seed)
-    _, loss = model(x, y)
-    loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+    total = 0.0
+    for seed in seeds:
+        x, y = batch(seed)
+        _, loss = model(x, y)
+        (loss / len(seeds)).backward()
+        total += float(loss.detach()) / len(seeds)
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+def merged(out, index):
+    """Every rank's gradients of result ``index`` in one dict (a parameter held by two ranks, a
+    tied embedding, must have the same summed gradient on both)."""
+    got = {}
+    for r in out:
+        for name, g in r[index][1].items():
+            if name in got:
+                torch.testing.assert_close(g, got[name], rtol=0, atol=0)
+            got[name] = g
+    return got
+
+
+def assert_grads(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 CASES = [
@@ -75,17 +108,13 @@ def test_pipelining_equals_one_process(world, kw, tie):
     out = spawn(_pipelined, world, kw, tie, 2, timeout_s=120)
     for step, seed in enumerate((1, 2)):
         want_loss, want = reference(tie, 2, seed)
-        losses = [r[step][0] for r in out]
-        assert losses[:-1] == [None] * (world - 1) and losses[-1] == pytest.approx(want_loss, rel=1e-6)
-        got = {}
-        for r in out:
-            for name, g in r[step][1].items():
-                if name in got:  # held by two ranks (a tied embedding): the same summed gradient
-                    torch.testing.assert_close(g, got[name], rtol=0, atol=0)
-                got[name] = g
-        assert sorted(got) == sorted(want)
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+        assert [r[step][0] for r in out] == pytest.approx([want_loss] * world, rel=1e-6)  # every rank
+        assert_grads(merged(out, step), want)
+    want_loss, want = reference(tie, 2, 1, 2)  # accumulated over two batches
+    assert_grads(merged(out, 2), want)
+    norm = torch.nn.utils.get_total_norm(list(want.values()))
+    assert [r[2][2] for r in out] == pytest.approx([float(norm)] * world, rel=1e-5)
+    assert [r[2][0] for r in out] == pytest.approx([reference(tie, 2, 1)[0]] * world, rel=1e-6)
 
 
 @pytest.mark.parametrize("block_size", [2, 3])
