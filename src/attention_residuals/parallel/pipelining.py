@@ -129,9 +129,9 @@ class StageModule(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for i, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=True)):
             l = self.first_layer + i
-            self.residual.write(state, l, layer(norm(self.residual.read(state, l)), cos, sin))
+            self.residual.write(state, l, layer(self.residual.read_normed(state, l, norm), cos, sin))
         if self.lm_head is not None:
-            return self.lm_head(self.norm_f(self.residual.final(state)))
+            return self.lm_head(self.residual.final_normed(state, self.norm_f))
         first, n, partial = self.layout.hop(self.chunk + 1, self.scheme)
         if len(state.blocks) != n or (state.partial is not None) != partial:
             raise RuntimeError(f"pipeline layout mismatch after chunk {self.chunk}")  # a bug, not input

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..model import GPTConfig
+from ..parallel.pipelining import PP_SCHEDULES
 from ..typed import (
     check_bounds,
     check_choices,
@@ -153,6 +154,19 @@ class TrainConfig:
         "fully_shard per sublayer) and save sharded checkpoints (torch.distributed.checkpoint); "
         "without it: DDP",
     )
+    pp_stages: int = _rc(
+        1,
+        "under torchrun with this many ranks: pipeline parallel (Block AttnRes; torch.distributed."
+        "pipelining with the cross-stage block cache; sharded checkpoints)",
+        ge=1,
+    )
+    pp_schedule: str = _rc(
+        "1f1b", "pipeline schedule (interleaved: with --pp-virtual > 1)", choices=PP_SCHEDULES
+    )
+    pp_virtual: int = _rc(1, "virtual pipeline stages per rank (the interleaved schedule)", ge=1)
+    pp_microbatches: int | None = _rc(
+        None, "pipeline microbatches per micro-batch (default: pp_stages * pp_virtual)", ge=1
+    )
     activation_checkpointing: bool = _rc(
         False, "recompute every sublayer (its depth read, norm and body) in backward: saves only its sources"
     )
@@ -204,6 +218,10 @@ class TrainConfig:
         """A copy with flat overrides routed to their fields, however deep (see :func:`replace_flat`)."""
         return replace_flat(self, **overrides)
 
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.pp_microbatches or self.pp_stages * self.pp_virtual
+
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the field and what it expects: types (a bool is no int),
         finite numbers in the ranges their fields declare, choices, and the options that depend on
@@ -220,9 +238,47 @@ class TrainConfig:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite: give at most one of them")
+        _check_pipeline_options(self)
         self.data_options()
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
         return self
+
+
+def _check_pipeline_options(cfg: TrainConfig) -> None:
+    """What ``--pp-stages`` composes with today (each refusal names the flag)."""
+    if cfg.pp_stages == 1:
+        if cfg.pp_virtual != 1 or cfg.pp_microbatches is not None:
+            raise ValueError("pp_virtual / pp_microbatches: only with pp_stages > 1")
+        return
+    if cfg.model.residual.rule != "block":
+        raise ValueError(
+            f"pp_stages: pipelining carries Block AttnRes states; got residual={cfg.model.residual.rule!r}"
+        )
+    for flag in ("fsdp", "compile", "activation_checkpointing"):
+        if getattr(cfg, flag):
+            raise ValueError(f"{flag}: not combined with pp_stages > 1 yet")
+    if cfg.dtype == "float16":
+        raise ValueError(
+            "dtype: float16 (its gradient scaler) is not combined with pp_stages > 1; use bfloat16"
+        )
+    if (cfg.pp_schedule == "interleaved") != (cfg.pp_virtual > 1):
+        raise ValueError(
+            f"pp_virtual: the interleaved schedule needs pp_virtual > 1 (and only it), got {cfg.pp_virtual}"
+        )
+    n = cfg.pipeline_microbatches
+    if cfg.pp_schedule != "gpipe" and n < cfg.pp_stages:
+        raise ValueError(
+            f"pp_microbatches: {cfg.pp_schedule} needs at least pp_stages={cfg.pp_stages}, got {n}"
+        )
+    if cfg.batch_size % n:
+        raise ValueError(
+            f"pp_microbatches: {n} does not divide the micro-batch of batch_size={cfg.batch_size}"
+        )
+    if cfg.model.n_sublayers < cfg.pp_stages * cfg.pp_virtual:
+        raise ValueError(
+            f"pp_stages: {cfg.pp_stages} x {cfg.pp_virtual} virtual stages need at least that many "
+            f"sublayers, the model has {cfg.model.n_sublayers}"
+        )
 
 
 def make_config(**overrides: Any) -> TrainConfig:

@@ -37,6 +37,7 @@ from ..model import GPT
 from ..parallel import data_parallel as _dp
 from ..parallel.dist import DistEnv, check_consistent
 from ..parallel.fsdp import shard_model
+from ..parallel.pipelining import PipelinedGPT
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
 from .data import Corpus, eval_batches, get_batch
@@ -174,8 +175,19 @@ class RunContext:
         return self.env.is_main
 
     @property
+    def data_ranks(self) -> tuple[int, int]:
+        """``(rank, world size)`` of the data-parallel dimension: every rank of a pipeline reads
+        the same batch (the first stage its ids, the last its targets)."""
+        return (0, 1) if self.cfg.pp_stages > 1 else (self.env.rank, self.env.world_size)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints are sharded (each rank holds part of the state)."""
+        return self.cfg.fsdp or self.cfg.pp_stages > 1
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.cfg.model.seq_len * self.cfg.grad_accum * self.env.world_size
+        return self.micro_batch * self.cfg.model.seq_len * self.cfg.grad_accum * self.data_ranks[1]
 
     @property
     def end(self) -> int:
@@ -195,7 +207,12 @@ def make_context(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> RunCo
             f"(pass --vocab-size {corpus.vocab_size})"
         )
     corpus.check_fits(cfg.model.seq_len)
-    micro_batch = _dp.local_batch(cfg.batch_size, env)
+    if cfg.pp_stages > 1 and env.world_size != cfg.pp_stages:
+        raise ValueError(
+            f"pp_stages: {cfg.pp_stages} pipeline stages need {cfg.pp_stages} ranks (one each), "
+            f"the job has world_size={env.world_size}; run torchrun --nproc-per-node {cfg.pp_stages}"
+        )
+    micro_batch = cfg.batch_size if cfg.pp_stages > 1 else _dp.local_batch(cfg.batch_size, env)
     return RunContext(cfg, env, device, corpus, run_identity(cfg, corpus.info()), micro_batch)
 
 
@@ -222,6 +239,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     net: torch.nn.Module | None = None  # what the forward pass calls: the model, compiled, DDP-wrapped
     scaler: torch.amp.GradScaler | None = None  # float16's loss scaling (its state is checkpointed)
+    pp: PipelinedGPT | None = None  # --pp-stages: this rank's stages (the model's others are frozen)
     step: int = 0  # optimizer steps done
     tokens: int = 0  # training tokens seen, all ranks
     train_s: float = 0.0  # seconds spent in train_step
@@ -285,6 +303,15 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.fsdp:
         shard_model(model, cfg.dtype)
+    pp = None
+    if cfg.pp_stages > 1:  # before the optimizer: it takes only this rank's (unfrozen) parameters
+        pp = PipelinedGPT(
+            model,
+            virtual=cfg.pp_virtual,
+            schedule=cfg.pp_schedule,
+            scheme="cached",
+            microbatches=cfg.pipeline_microbatches,
+        )
     optimizer = build_optimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
     )
@@ -297,7 +324,7 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
         min_lr=cfg.min_lr,
         decay_frac=cfg.decay_frac,
     )
-    return TrainState(model, optimizer, scheduler, scaler=grad_scaler(cfg.dtype, device))
+    return TrainState(model, optimizer, scheduler, scaler=grad_scaler(cfg.dtype, device), pp=pp)
 
 
 @dataclass(frozen=True)
@@ -308,33 +335,54 @@ class StepResult:
     seconds: float
 
 
+def micro_batch(ctx: RunContext, state: TrainState, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of micro-batch ``micro`` of the current step (a function of the seed,
+    the step and the data-parallel rank)."""
+    rank, world = ctx.data_ranks
+    return get_batch(
+        ctx.corpus.train,
+        ctx.micro_batch,
+        ctx.cfg.model.seq_len,
+        seed=ctx.cfg.seed,
+        step=state.step * ctx.cfg.grad_accum + micro,
+        rank=rank,
+        world_size=world,
+        device=ctx.device,
+    )
+
+
+def backward(
+    ctx: RunContext, state: TrainState, x: torch.Tensor, y: torch.Tensor, micro: int
+) -> torch.Tensor:
+    """Forward and backward of one micro-batch (its gradient scaled by ``1 / grad_accum``, the
+    reductions over ranks on the last one only); its mean loss (this rank's rows; a pipeline's:
+    the whole micro-batch's)."""
+    A, last = ctx.cfg.grad_accum, micro == ctx.cfg.grad_accum - 1
+    if state.pp is not None:  # the schedule runs the pipeline's own microbatches
+        with autocast(ctx.device, ctx.cfg.dtype):
+            return state.pp.step(x, y, scale=1.0 / A, sync=last)
+    with _dp.sync_context(state.net, last):  # DDP / FSDP: reduce on the last micro-batch only
+        with autocast(ctx.device, ctx.cfg.dtype):
+            _, loss = state.net(x, y)
+        scaled = loss / A
+        (state.scaler.scale(scaled) if state.scaler is not None else scaled).backward()
+    return loss.detach()
+
+
 def train_step(ctx: RunContext, state: TrainState) -> StepResult:
-    """One optimizer step over ``grad_accum`` micro-batches (each a function of the seed, the
-    step and the rank); advances ``state``."""
-    cfg, A, T = ctx.cfg, ctx.cfg.grad_accum, ctx.cfg.model.seq_len
+    """One optimizer step over ``grad_accum`` micro-batches; advances ``state``."""
+    cfg = ctx.cfg
     lr = state.lr
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=ctx.device)
-    for micro in range(A):
-        x, y = get_batch(
-            ctx.corpus.train,
-            ctx.micro_batch,
-            T,
-            seed=cfg.seed,
-            step=state.step * A + micro,
-            rank=ctx.env.rank,
-            world_size=ctx.env.world_size,
-            device=ctx.device,
-        )
-        with _dp.sync_context(state.net, micro == A - 1):  # DDP: all-reduce on the last one only
-            with autocast(ctx.device, cfg.dtype):
-                _, loss = state.net(x, y)
-            scaled = loss / A
-            (state.scaler.scale(scaled) if state.scaler is not None else scaled).backward()
-        loss_sum += loss.detach()
+    for micro in range(cfg.grad_accum):
+        loss_sum += backward(ctx, state, *micro_batch(ctx, state, micro), micro)
     if state.scaler is not None:
         state.scaler.unscale_(state.optimizer)  # clip the true gradients
-    grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
+    if state.pp is not None:  # the norm over every stage's gradients
+        grad_norm = state.pp.clip_grad_norm_(cfg.grad_clip)
+    else:
+        grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
     if state.scaler is not None:
         state.scaler.step(state.optimizer)  # skipped when a gradient overflowed
         state.scaler.update()
@@ -342,7 +390,7 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         state.optimizer.step()
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    mean_loss = float(_dp.mean(loss_sum, ctx.env)) / A
+    mean_loss = float(loss_sum if state.pp is not None else _dp.mean(loss_sum, ctx.env)) / cfg.grad_accum
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0
@@ -401,6 +449,10 @@ class MetricsWriter:
 def evaluate(ctx: RunContext, state: TrainState) -> float:
     """The validation loss (fixed windows of the global batch size), recorded in ``state``."""
     cfg = ctx.cfg
+    if state.pp is not None:
+        loss = _pipeline_loss(ctx, state.pp)
+        state.record_val(loss)
+        return loss
     loss = estimate_loss(
         state.model,
         ctx.corpus.val,
@@ -414,10 +466,23 @@ def evaluate(ctx: RunContext, state: TrainState) -> float:
     return loss
 
 
+@torch.no_grad()
+def _pipeline_loss(ctx: RunContext, pp: PipelinedGPT) -> float:
+    """:func:`estimate_loss` through the pipeline (forward only): the same windows."""
+    cfg = ctx.cfg
+    total = 0.0
+    for x, y in eval_batches(
+        ctx.corpus.val, cfg.eval_batches, cfg.batch_size, cfg.model.seq_len, device=ctx.device
+    ):
+        with autocast(ctx.device, cfg.dtype):
+            total += float(pp.evaluate(x, y))
+    return total / cfg.eval_batches
+
+
 def save_state(ctx: RunContext, state: TrainState) -> None:
     """Checkpoint ``state``, the previous checkpoint kept beside it: sharded by every rank with
-    ``--fsdp`` (:func:`.sharded.save_sharded`), else one file written by rank 0."""
-    if ctx.cfg.fsdp:
+    ``--fsdp`` or ``--pp-stages`` (:func:`.sharded.save_sharded`), else one file written by rank 0."""
+    if ctx.sharded:
         save_sharded(
             ctx.out / DCP_DIR,
             model=state.model,
@@ -643,7 +708,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
         resume_state(ctx, state)
     elif ctx.is_main:
         start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
-    state.net = state.model if cfg.fsdp else _dp.wrap(state.model, env)
+    state.net = state.model if ctx.sharded else _dp.wrap(state.model, env)
     if cfg.compile:  # one graph for the bundled GPT; DDP splits its graph at bucket boundaries
         state.net = torch.compile(state.net, fullgraph=env.world_size == 1)
     state.clock = time.perf_counter()

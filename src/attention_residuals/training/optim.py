@@ -250,10 +250,10 @@ def build_scheduler(
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Total gradient norm (before clipping); clips in place when ``max_norm > 0``. FSDP's
     sharded gradients (``DTensor``) give the norm over all shards, returned as a plain tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if max_norm and max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # scales each p.grad
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

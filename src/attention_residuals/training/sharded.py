@@ -282,11 +282,15 @@ def _flat(prefix: str, tree: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
 def _optim_layout(optimizer: torch.optim.Optimizer | None, model: torch.nn.Module) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) by parameter name (DTensor shards under FSDP)."""
+    """(model state dict, optimizer state dict) by parameter name: DTensor shards under FSDP;
+    under pipelining only this rank's stages (the others' parameters are frozen here)."""
     if optimizer is None:
-        return get_model_state_dict(model), {}
-    return get_state_dict(model, optimizer)
+        return get_model_state_dict(model, options=_OPTIONS), {}
+    return get_state_dict(model, optimizer, options=_OPTIONS)
 
 
 def save_sharded(
@@ -388,7 +392,7 @@ def load_sharded(
     except Exception as e:  # DCP wraps rank failures in its own exception types
         raise CheckpointError(f"checkpoint {folder} could not be read: {type(e).__name__}: {e}") from None
     small = unflatten_state(manifest["state"], {k: state[k] for k in small_keys})
-    options = StateDictOptions(strict=True)
+    options = StateDictOptions(strict=True, ignore_frozen_params=True)
     if optimizer is not None:
         if small.get("param_groups") is None:
             raise CheckpointError(f"checkpoint {folder} holds no optimizer state")

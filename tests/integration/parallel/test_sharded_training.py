@@ -1,6 +1,7 @@
-"""FSDP2 training (``--fsdp`` over gloo processes) equals the single-process run; its sharded
-checkpoints (torch.distributed.checkpoint) resume exactly on another world size, with or without
-FSDP, and are read by eval; damaged, foreign or planted checkpoints are refused."""
+"""FSDP2 training (``--fsdp``) and pipeline-parallel training (``--pp-stages``) over gloo
+processes equal the single-process run; their sharded checkpoints (torch.distributed.checkpoint)
+resume exactly on another world size or layout, and are read by eval; damaged, foreign or planted
+checkpoints are refused."""
 
 import hashlib
 import json
@@ -311,3 +312,60 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
     assert json.loads((out / DCP_DIR / MANIFEST).read_text())["step"] == 3
     train(tiny(out, resume=True), corpus=corpus())
     assert_same_losses(out, single)
+
+
+# --------------------------------------------------------------------------- pipeline parallel
+
+
+@pytest.mark.parametrize(
+    "world, pp",
+    [
+        (2, {"pp_schedule": "1f1b"}),
+        (2, {"pp_schedule": "interleaved", "pp_virtual": 2}),
+        (4, {"pp_schedule": "gpipe"}),
+    ],
+    ids=["2x1f1b", "2x2-interleaved", "4xgpipe"],
+)
+def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
+    """``--pp-stages`` (gradient accumulation over 2 micro-batches, each split into pipeline
+    microbatches; the cross-stage cache on): losses, gradient norms and weights equal one process."""
+    out = tmp_path / "pp"
+    finals = spawn(_train, world, str(out), {"pp_stages": world, **pp}, timeout_s=180)
+    assert len(set(finals)) == 1
+    assert_same_losses(out, single)
+    norms = [[r.get("grad_norm") for r in read_metrics(run)] for run in (out, single)]
+    assert norms[0][1:] == pytest.approx(norms[1][1:], rel=1e-5)
+    assert_same_weights(out, single)
+    assert sorted(p.name for p in (out / DCP_DIR).iterdir())[:2] == [".metadata", "__0_0.distcp"]
+
+
+def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
+    """Pipeline on 2 ranks to step 3, FSDP on 2 ranks to step 5, one process to the end."""
+    out = tmp_path / "run"
+    spawn(_train, 2, str(out), {"pp_stages": 2, "stop_at": 3}, timeout_s=180)
+    spawn(_train, 2, str(out), {"fsdp": True, "stop_at": 5, "resume": True}, timeout_s=180)
+    train(tiny(out, resume=True), corpus=corpus())
+    assert_same_losses(out, single)
+    assert_same_weights(out, single)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"pp_stages": 2, "residual": "full"}, "pp_stages: pipelining carries Block AttnRes states"),
+        ({"pp_stages": 2, "fsdp": True}, "fsdp: not combined with pp_stages > 1 yet"),
+        ({"pp_stages": 2, "pp_schedule": "interleaved"}, "pp_virtual: the interleaved schedule needs"),
+        ({"pp_stages": 2, "pp_microbatches": 3}, "pp_microbatches: 3 does not divide"),
+        ({"pp_stages": 2, "dtype": "float16"}, "dtype: float16"),
+        ({"pp_virtual": 2}, "pp_virtual / pp_microbatches: only with pp_stages > 1"),
+    ],
+)
+def test_bad_pipeline_options_are_named_before_anything_is_written(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train(tiny(tmp_path / "run", **kw), corpus=corpus())
+    assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_stages_must_match_the_world_size(tmp_path):
+    with pytest.raises(DistributedError, match=re.escape("pp_stages: 4 pipeline stages need 4 ranks")):
+        spawn(_train, 2, str(tmp_path / "run"), {"pp_stages": 4}, timeout_s=60)
