@@ -4,13 +4,15 @@ Two sections, JSON to stdout and, for a complete run, ``results/bench/dist.json`
 smoke run or a run with ``--skip-*`` writes no file unless ``--out`` names one, so it cannot
 replace the committed figures):
 
-``pipeline``  for several (P stages, V virtual stages, block size S) a Block AttnRes model runs
-              one training step on P gloo processes in each scheme (naive, cached, cached_all).
-              Reported per scheme: the bytes the send path actually put on the wire (forward
-              and backward, summed over ranks), the same as ``[*, d]`` tensors per token, the
-              exact count derived for our layout (``parallel.pipeline.derived_transfers``), and
-              the report's formula with ``N_p = N / C``. Loss and gradients are checked against
-              the single-process model.
+``pipeline``  for several (P stages, V virtual stages, block size S) a Block AttnRes model trains
+              on P gloo processes with ``parallel.pipelining`` (torch.distributed.pipelining:
+              1F1B, interleaved 1F1B for V > 1) in each scheme (naive, cached). Reported per
+              scheme, for the second step (the first also runs torch's metadata inference): the
+              elements every stage sent forward (its output tensors, which the schedule puts on
+              the wire; backward sends the gradient of each, the same bytes), the same as
+              ``[*, d]`` tensors per token, the exact count derived for our layout
+              (``parallel.pipeline.derived_transfers``), and the report's formula with
+              ``N_p = N / C``. Loss and gradients are checked against the single-process model.
 ``prefill``   T = 8192 tokens, 8 blocks: the peak block-state bytes one rank holds (tracked on
               the live tensors) sharded over tp = 1, 2, 4, 8 ranks (over the hidden dim, and
               over the sequence as the report's text has it), with and without sequence chunks
@@ -34,7 +36,8 @@ import torch.distributed as dist
 
 from ..model import GPT, GPTConfig
 from ..parallel.dist import spawn
-from ..parallel.pipeline import SCHEMES, PipelineLayout, PipelineParallel, derived_transfers, report_transfers
+from ..parallel.pipeline import PipelineLayout, derived_transfers, report_transfers
+from ..parallel.pipelining import PP_SCHEMES, PipelinedGPT
 from ..parallel.prefill import block_state_bytes, prefill
 from .harness import bench_command
 
@@ -70,17 +73,25 @@ def _pipe_batch():
 
 
 def _pipe_worker(rank: int, world: int, V: int, S: int) -> dict:
-    model = _pipe_model(S)
     idx, targets = _pipe_batch()
     out = {}
-    for scheme in SCHEMES:
-        model.zero_grad(set_to_none=True)
-        pp = PipelineParallel(model, virtual=V, scheme=scheme)
+    for scheme in PP_SCHEMES:
+        model = _pipe_model(S)
+        names = {id(p): n for n, p in model.named_parameters()}
+        schedule = "interleaved" if V > 1 else "1f1b"
+        pp = PipelinedGPT(
+            model, virtual=V, schedule=schedule, scheme=scheme, microbatches=max(PIPE_MICRO, world)
+        )
+        pp.step(idx, targets)  # the first step also runs torch's metadata inference
+        for p in pp.parameters():
+            p.grad = None
         t0 = time.perf_counter()
-        stats = pp.step(idx, targets, microbatches=PIPE_MICRO)
-        owned = {id(p) for p in pp.owned_parameters()}
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if id(p) in owned}
-        out[scheme] = dict(stats=stats.to_dict(), grads=grads, step_s=time.perf_counter() - t0)
+        loss = pp.step(idx, targets)
+        step_s = time.perf_counter() - t0
+        grads = {names[id(p)]: p.grad.clone() for p in pp.parameters() if p.grad is not None}
+        out[scheme] = dict(
+            sent=pp.sent_elements(), loss=float(loss), grads=grads, step_s=step_s, schedule=schedule
+        )
     return out
 
 
@@ -113,14 +124,13 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
             chunk_bounds=list(layout.bounds),
             d_model=d,
             tokens_per_step=tokens,
-            microbatches=PIPE_MICRO,
+            microbatches=max(PIPE_MICRO, P),
+            schedule=results[0][PP_SCHEMES[0]]["schedule"],
             bytes_per_elem=4,
             schemes={},
         )
-        for scheme in SCHEMES:
-            per_rank = [results[r][scheme]["stats"] for r in range(P)]
-            fwd = sum(s["bytes_forward"] for s in per_rank)
-            bwd = sum(s["bytes_backward"] for s in per_rank)
+        for scheme in PP_SCHEMES:
+            fwd = 4 * sum(n for r in range(P) for n in results[r][scheme]["sent"].values())
             merged: dict[str, torch.Tensor] = {}
             for r in range(P):
                 merged.update(results[r][scheme]["grads"])
@@ -129,13 +139,11 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
             derived = derived_transfers(layout.bounds, S, P, scheme)
             row["schemes"][scheme] = dict(
                 bytes_forward=fwd,
-                bytes_backward=bwd,
-                messages=sum(s["messages"] for s in per_rank),
                 tensors_per_token_measured=measured,
                 tensors_per_token_derived=derived,
-                matches_derived=measured == derived and fwd == bwd,
-                report_formula=report.get(scheme),  # the report has no formula for cached_all
-                loss=per_rank[0]["loss"],
+                matches_derived=measured == derived,
+                report_formula=report.get(scheme),
+                loss=results[0][scheme]["loss"],
                 ref_loss=float(ref_loss),
                 max_grad_abs_diff=grad_diff,
                 step_s=max(results[r][scheme]["step_s"] for r in range(P)),

@@ -235,8 +235,10 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
     lines = [head + (f"; not run: {', '.join(missing)}." if missing else "."), ""]
     if "pipeline" in d:
         lines[0] += (
-            " Pipeline: bytes sent per step by each scheme, measured on the send path, beside our derived "
-            "count and the report's formula (tensors per token)."
+            " Pipeline: one training step of `PipelinedGPT` on torch.distributed.pipelining (the"
+            " schedule named per row); bytes each stage sends forward, counted on the send path, beside"
+            " our derived count and the report's formula (tensors per token); gradients against one"
+            " process."
         )
         rows = []
         for p in d["pipeline"]:
@@ -247,6 +249,7 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
                         p["V"],
                         p["L"],
                         p["S"],
+                        p.get("schedule", "—"),
                         name,
                         s["bytes_forward"],
                         s["tensors_per_token_measured"],
@@ -261,6 +264,7 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
                 "V",
                 "L",
                 "S",
+                "schedule",
                 "scheme",
                 "bytes fwd",
                 "tensors/token measured",

@@ -1,8 +1,7 @@
 """Floor 5: torch.distributed for Attention Residuals.
 
 * :mod:`.dist` — process groups with timeouts, launcher detection, clear errors, local spawn.
-* :mod:`.pipeline` — the pipeline layout and its traffic formulas; the hand-rolled GPipe runtime
-  ``attnres bench dist`` still measures.
+* :mod:`.pipeline` — the pipeline layout and its traffic formulas.
 * :mod:`.pipelining` — pipeline parallel Block AttnRes on ``torch.distributed.pipelining`` (GPipe,
   1F1B, interleaved 1F1B) with the cross-stage block cache.
 * :mod:`.prefill` — hidden-dim sharded and sequence-chunked prefill of the block states.
@@ -22,19 +21,17 @@ from .dist import (
 from .pipeline import (
     SCHEMES,
     PipelineLayout,
-    PipelineParallel,
-    PipelineStats,
     aligned_transfers,
     derived_transfers,
     report_transfers,
 )
+from .pipelining import PipelinedGPT
 
 __all__ = [
     "DistEnv",
     "DistributedError",
     "PipelineLayout",
-    "PipelineParallel",
-    "PipelineStats",
+    "PipelinedGPT",
     "SCHEMES",
     "aligned_transfers",
     "check_consistent",

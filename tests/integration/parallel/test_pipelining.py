@@ -31,9 +31,17 @@ def batch(seed):
     return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
 
 
-def _pipelined(rank, world, kw, tie, block_size):
+def make_model(tie, block_size):
     torch.manual_seed(0)
     model = GPT(config(tie, block_size))
+    with torch.no_grad():  # zero-init queries would make every depth mix a plain mean (blind to order)
+        for p in model.residual.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def _pipelined(rank, world, kw, tie, block_size):
+    model = make_model(tie, block_size)
     names = {id(p): n for n, p in model.named_parameters()}
     pp = PipelinedGPT(model, microbatches=world, **kw)
     results = []
@@ -60,8 +68,7 @@ def _pipelined(rank, world, kw, tie, block_size):
 
 def reference(tie, block_size, *seeds):
     """One process: the mean loss over ``seeds``' batches and its gradients."""
-    torch.manual_seed(0)
-    model = GPT(config(tie, block_size))
+    model = make_model(tie, block_size)
     total = 0.0
     for seed in seeds:
         x, y = batch(seed)
