@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .connections import LEGACY_NAMES, ResidualConfig, make_connection, resolve_block_size
 from .typed import check_field_types, check_number, option
 
-__all__ = ["GPTConfig", "GPT", "KVCache", "check_sampling"]
+__all__ = ["GPTConfig", "GPT", "KVCache", "check_sampling", "sample_token"]
 
 
 @dataclass
@@ -163,6 +163,22 @@ class KVCache:
         self.v[index, :, :, start:end] = v
         return self.k[index, :, :, :end], self.v[index, :, :, :end]
 
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store the new tokens' ``k``, ``v`` ``[B, H, T, hd]`` after the cached ones and attend
+        ``q`` over them all: every cached token and the causal part of the new ones. (A cache
+        owns this step so that a sharded cache can replace it: ``parallel.kv``.)"""
+        past = self.length
+        k, v = self.update(index, k, v)
+        if past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        T = q.shape[2]
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def advance(self, tokens: int) -> None:
+        """Count ``tokens`` more as cached (after every attention sublayer stored them)."""
+        self.length += tokens
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, index: int) -> None:
@@ -175,15 +191,10 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.update(self.index, k, v)
-        if past == 0:
+        if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # new tokens see every cached token and the causal part of themselves
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = cache.attend(self.index, q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -215,6 +226,21 @@ def check_sampling(temperature: float, top_k: int | None) -> None:
     None."""
     check_number("temperature", temperature, ge=0)
     check_number("top_k", top_k, integer=True, optional=True, ge=1)
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next token ids ``[B, 1]`` from ``logits`` ``[B, vocab]`` (float32 softmax):
+    ``temperature=0`` is greedy, ``top_k`` keeps the k most likely."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
 class GPT(nn.Module):
@@ -333,7 +359,7 @@ class GPT(nn.Module):
             self.residual.write(state, l, v)
         out = self.residual.final_normed(state, self.norm_f)
         if cache is not None:
-            cache.length += T
+            cache.advance(T)
         return out, state.record
 
     def forward_hidden(
@@ -394,15 +420,7 @@ class GPT(nn.Module):
         for i in range(max_new_tokens):
             run_schedule = prefill if i == 0 or not use_cache else "plain"
             hidden, _ = self._run(pending if use_cache else idx, run_schedule, cache, check=False)
-            logits = self.lm_head(hidden[:, -1]).float()
-            if temperature == 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            nxt = sample_token(self.lm_head(hidden[:, -1]), temperature, top_k, generator)
             idx = torch.cat([idx, nxt], dim=1)
             pending = nxt
         return idx

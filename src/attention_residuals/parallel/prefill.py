@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from ..connections import BlockAttnRes
-from ..model import CausalSelfAttention
+from ..model import CausalSelfAttention, KVCache
 from .dist import guarded
+from .kv import ShardedKVCache
 
 __all__ = ["SHARDS", "PrefillResult", "PrefillStats", "block_state_bytes", "prefill"]
 
@@ -68,9 +69,10 @@ class PrefillStats:
     peak_block_tensors: int = 0
     formula_block_bytes: int = 0  # (N + 1) * batch * chunk * d / P * element size
     transient_bytes: int = 0  # per-layer full-width activations (h, f_l(h)) and one output shard
-    kv_cache_bytes: int = 0
+    kv_cache_bytes: int = 0  # this rank's keys and values (shard="sequence": 1/P of them)
     allreduce_bytes: int = 0
     allgather_bytes: int = 0
+    attention_bytes: int = 0  # shard="sequence": queries all-gathered + partial softmaxes sent
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -79,7 +81,7 @@ class PrefillStats:
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # [B, T, vocab] (last_only: [B, 1, vocab])
-    cache: object  # the filled KVCache, ready for decoding
+    cache: KVCache | ShardedKVCache  # filled, ready for decoding
     stats: PrefillStats
 
 
@@ -179,6 +181,7 @@ def prefill(
     chunk_size: int | None = None,
     last_only: bool = False,
     shard: str = "sequence",
+    max_len: int | None = None,
 ) -> PrefillResult:
     """Prefill ``idx`` ``[B, T]`` through a Block AttnRes GPT; exact (to float rounding).
 
@@ -186,16 +189,18 @@ def prefill(
     ``idx`` and an identical model); ``None``: one rank holds them all. ``shard="sequence"``
     (the default, as in the report) splits each chunk's tokens: depth attention is per token,
     so it runs locally without any communication, MLP sublayers run on the local tokens only,
-    and attention sublayers all-gather their input over the sequence (each chunk must split
-    evenly over the ranks). ``shard="hidden"`` splits the channels (module docstring).
-    ``chunk_size``: tokens per sequence chunk (``None``: the whole sequence at once). Returns
-    the logits (``last_only``: of the last position), the filled KV cache and this rank's
-    :class:`PrefillStats`.
+    and attention sublayers keep the keys and values of the local tokens only
+    (:class:`~.kv.ShardedKVCache`: the queries are all-gathered, the per-rank softmaxes merged;
+    each chunk must split evenly over the ranks). ``shard="hidden"`` splits the channels (module
+    docstring) and keeps the whole KV cache on every rank. ``chunk_size``: tokens per sequence
+    chunk (``None``: the whole sequence at once). ``max_len``: the cache's capacity in tokens
+    (default ``T``; more leaves room to decode). Returns the logits (``last_only``: of the last
+    position), the filled KV cache and this rank's :class:`PrefillStats`.
     """
     if shard not in SHARDS:
         raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
     if shard == "sequence":
-        return _prefill_sequence(model, idx, group, chunk_size, last_only)
+        return _prefill_sequence(model, idx, group, chunk_size, last_only, max_len)
     res = _check_model(model)
     B, T = _check_idx(model, idx)
     chunk = _check_chunk(T, chunk_size)
@@ -210,7 +215,7 @@ def prefill(
         tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo, element_size=p.element_size()
     )
     sharded = _Sharded(res, lo, hi, group, stats)
-    cache = model.new_cache(B, max_len=T)
+    cache = model.new_cache(B, max_len=_check_max_len(model, T, max_len))
     stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
     n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
     stats.formula_block_bytes = block_state_bytes(n_sources, B, stats.chunk_size, d, stats.element_size, tp)
@@ -237,13 +242,13 @@ def prefill(
             hidden = hidden[:, -1:] if t0 + tc == T else None
         if hidden is not None:
             logits_out.append(model.lm_head(hidden))
-        cache.length += tc
+        cache.advance(tc)
         del states
     return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
 
 
-def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult:
-    """Block states sharded over the tokens of each chunk (see :func:`prefill`)."""
+def _prefill_sequence(model, idx, group, chunk_size, last_only, max_len) -> PrefillResult:
+    """Block states and keys/values sharded over the tokens of each chunk (see :func:`prefill`)."""
     res = _check_model(model)
     B, T = _check_idx(model, idx)
     chunk = _check_chunk(T, chunk_size)
@@ -255,8 +260,8 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
         tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=d, element_size=p.element_size()
     )
     local = _Sharded(res, 0, d, None, stats)  # full channels, local tokens: no all-reduce
-    cache = model.new_cache(B, max_len=T)
-    stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
+    cache = ShardedKVCache.for_model(model, B, _check_max_len(model, T, max_len), group)
+    stats.kv_cache_bytes = cache.nbytes()
     n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
     stats.formula_block_bytes = n_sources * B * (chunk // tp) * d * stats.element_size
     L = res.n_layers
@@ -277,18 +282,17 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
         if tc % tp:
             raise ValueError(f"shard='sequence': a chunk of {tc} tokens does not split over {tp} ranks")
         a, b = rank * tc // tp, (rank + 1) * tc // tp
-        cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
+        cos, sin = model.rope_cos[t0 + a : t0 + b], model.rope_sin[t0 + a : t0 + b]
         states = _BlockStates(model.embed(ids[:, a:b]), res, stats)
         for l in range(L):
-            h = local.attend(l, states.sources())
+            h = model.norms[l](local.attend(l, states.sources()))
             layer = model.layers[l]
-            if isinstance(layer, CausalSelfAttention):  # needs every token's keys and values
-                full = gather_tokens(h)
-                out = layer(model.norms[l](full), cos, sin, cache)[:, a:b].clone()
-                stats.transient_bytes = max(stats.transient_bytes, 2 * full.numel() * full.element_size())
-                del full
+            if isinstance(layer, CausalSelfAttention):  # keys of the local tokens, every query
+                with cache.rows(a, b):
+                    out = layer(h, cos, sin, cache)
             else:  # per token: local tokens only
-                out = layer(model.norms[l](h), cos, sin)
+                out = layer(h, cos, sin)
+            del h
             states.add(l, out)
             del out
         final = local.attend(L, states.sources())
@@ -297,8 +301,9 @@ def _prefill_sequence(model, idx, group, chunk_size, last_only) -> PrefillResult
             hidden = hidden[:, -1:] if t0 + tc == T else None
         if hidden is not None:
             logits_out.append(model.lm_head(hidden))
-        cache.length += tc
+        cache.advance(tc)
         del states
+    stats.attention_bytes = cache.sent_bytes
     return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
 
 
@@ -316,3 +321,13 @@ def _check_chunk(T: int, chunk_size: int | None) -> int:
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive number of tokens, got {chunk_size}")
     return min(chunk, T)
+
+
+def _check_max_len(model, T: int, max_len: int | None) -> int:
+    if max_len is None:
+        return T
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not T <= max_len <= model.config.seq_len:
+        raise ValueError(
+            f"max_len: expected an int from the prompt length {T} to seq_len={model.config.seq_len}, got {max_len!r}"
+        )
+    return max_len

@@ -7,6 +7,10 @@ after checking that the folder still holds the very tokenizer the run was traine
 (``--tokenizer DIR`` points elsewhere when the folder moved). When more tokens are asked for
 than the context holds, generation slides: the last half-context of tokens is kept as the
 prompt for the next stretch.
+
+``--tp N`` under ``torchrun --nproc-per-node N`` splits the memory that grows with the context
+over the ranks (``parallel.generate``): the sequence-sharded prefill of the block states (Block
+AttnRes) and a KV cache sharded by token; every rank holds the model, rank 0 prints.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..commands import Parser, fail
 from ..model import GPT, check_sampling
+from ..parallel import DistributedError, check_consistent, destroy_distributed, init_distributed
+from ..parallel.generate import sharded_generate, sharded_prefill_applies
 from ..typed import check_number
 from . import tokenizer as tok
 from .checkpoint import CheckpointError
@@ -44,11 +51,15 @@ def generate_text(
     num_samples: int = 1,
     encode: Callable[[str], list[int]] = byte_encode,
     decode: Callable[[list[int]], str] = byte_decode,
+    group=None,
+    chunk_size: int | None = None,
 ) -> list[str]:
     """``num_samples`` continuations of ``prompt`` (the prompt included), as strings.
 
     ``temperature=0`` is greedy. The same seed gives the same samples. An empty prompt starts
-    from a newline.
+    from a newline. ``group``: generate over its ranks with the context's memory sharded
+    (:func:`~attention_residuals.parallel.generate.sharded_generate`, prefill chunks of
+    ``chunk_size`` tokens); every rank calls this alike and gets the same texts.
     """
     check_number("max_new_tokens", max_new_tokens, integer=True, ge=0)
     check_sampling(temperature, top_k)
@@ -67,7 +78,19 @@ def generate_text(
             keep = max(1, ctx // 2) if seqs.shape[1] >= ctx else min(seqs.shape[1], ctx - 1)
             step = min(remaining, ctx - keep)
             window = seqs[:, -keep:]
-            grown = model.generate(window, step, temperature=temperature, top_k=top_k, generator=gen)
+            if group is None:
+                grown = model.generate(window, step, temperature=temperature, top_k=top_k, generator=gen)
+            else:
+                grown, _ = sharded_generate(
+                    model,
+                    window,
+                    step,
+                    temperature=temperature,
+                    top_k=top_k,
+                    generator=gen,
+                    group=group,
+                    chunk_size=chunk_size,
+                )
             seqs = torch.cat([seqs, grown[:, window.shape[1] :]], dim=1)
             remaining -= step
     finally:
@@ -150,7 +173,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer folder of a BPE run, when the one it records has moved (default: the folder "
         "the run was trained with; none for byte-level runs)",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N or auto (default: auto; with --tp: cuda:LOCAL_RANK under NCCL, else cpu)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks to shard the context's memory over, under torchrun --nproc-per-node TP: sequence-"
+        "sharded prefill (Block AttnRes) and a KV cache split by token (default: 1)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="with --tp: prefill tokens per chunk, a multiple of TP (default: the whole prompt)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list of strings")
     add_trust_flag(p)
     return p
@@ -165,36 +205,70 @@ def main(argv: list[str] | None = None) -> int:
         ("--top-k", args.top_k, 0, " (0 = all tokens)"),
         ("--num-samples", args.num_samples, 1, ""),
         ("--seed", args.seed, 0, ""),
+        ("--tp", args.tp, 1, ""),
+        ("--prefill-chunk", args.prefill_chunk if args.prefill_chunk is not None else args.tp, args.tp, ""),
     ):
         if not (math.isfinite(value) and value >= low):
             parser.error(f"{flag}: expected >= {low}{note}, got {value}")
+    if args.prefill_chunk is not None and args.prefill_chunk % args.tp:
+        parser.error(f"--prefill-chunk: expected a multiple of --tp {args.tp}, got {args.prefill_chunk}")
     try:
-        model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=args.device)
-        encode, decode = run_codec(info["record"], args.tokenizer, trust_remote_code=args.trust_remote_code)
-        device = next(model.parameters()).device
-        dtype = resolve_dtype(cfg.dtype, device)  # the precision the run trained in
-        print(
-            f"attnres sample: {model.inference_schedule()} prefill, KV-cache decode, {dtype}", file=sys.stderr
-        )
-        with autocast(device, dtype):
-            texts = generate_text(
-                model,
-                args.prompt,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k or None,
-                seed=args.seed,
-                num_samples=args.num_samples,
-                encode=encode,
-                decode=decode,
-            )
-    except (ValueError, OSError, CheckpointError) as e:
+        texts = _sample(args)
+    except (ValueError, OSError, CheckpointError, DistributedError) as e:
         return fail("attnres sample", e)
+    finally:
+        if args.tp > 1:
+            destroy_distributed()
+    if texts is None:  # not rank 0
+        return 0
     if args.json:
         print(json.dumps(texts))
     else:
         print(("\n" + "-" * 72 + "\n").join(texts))
     return 0
+
+
+def _sample(args: argparse.Namespace) -> list[str] | None:
+    """Load the run, generate, and return the texts (``None`` on ranks other than 0)."""
+    group, device, env = None, args.device, None
+    if args.tp > 1:
+        env = init_distributed(expected_world_size=args.tp)
+        group = dist.group.WORLD
+        device = str(env.device()) if args.device == "auto" else args.device
+        check_consistent(
+            {k: getattr(args, k) for k in ("run_dir", "prompt", "seed", "max_new_tokens")}, "sample"
+        )
+    model, cfg, info = load_run(Path(args.run_dir), checkpoint=args.checkpoint, device=device)
+    encode, decode = run_codec(info["record"], args.tokenizer, trust_remote_code=args.trust_remote_code)
+    device = next(model.parameters()).device
+    dtype = resolve_dtype(cfg.dtype, device)  # the precision the run trained in
+    if env is None or env.is_main:
+        print(f"attnres sample: {_schedule_line(model, args.tp)}, {dtype}", file=sys.stderr)
+    with autocast(device, dtype):
+        texts = generate_text(
+            model,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            seed=args.seed,
+            num_samples=args.num_samples,
+            encode=encode,
+            decode=decode,
+            group=group,
+            chunk_size=args.prefill_chunk,
+        )
+    return texts if env is None or env.is_main else None
+
+
+def _schedule_line(model: GPT, tp: int) -> str:
+    """Which exact schedule runs, for the log."""
+    if tp == 1:
+        return f"{model.inference_schedule()} prefill, KV-cache decode"
+    prefill = (
+        "sequence-sharded block-state prefill" if sharded_prefill_applies(model) else "replicated prefill"
+    )
+    return f"{prefill} over {tp} ranks, KV cache sharded by token"
 
 
 if __name__ == "__main__":

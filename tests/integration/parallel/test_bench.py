@@ -101,4 +101,4 @@ def test_bench_page_says_where_targets_come_from(tmp_path):
     assert "Targets, from the overheads the AttnRes report gives for Block AttnRes" in page
     assert "training ≤ 1.04, prefill ≤ 1.02" in page
     assert "a --quick smoke run; not run: pipeline." in page
-    assert page.count("Pipeline: bytes sent per step") == 1  # the complete dist.json only
+    assert page.count("Pipeline: one training step of `PipelinedGPT`") == 1  # the complete dist.json only

@@ -1,10 +1,13 @@
-"""Hidden-dim sharded and sequence-chunked prefill equal the plain prefill; block memory as derived."""
+"""Hidden-dim sharded and sequence-chunked prefill equal the plain prefill; block memory as derived;
+decoding with the KV cache sharded by token equals plain decoding."""
 
 import pytest
 import torch
 
 from attention_residuals.model import GPT, GPTConfig
 from attention_residuals.parallel import spawn
+from attention_residuals.parallel.generate import sharded_generate
+from attention_residuals.parallel.kv import ShardedKVCache
 from attention_residuals.parallel.prefill import block_state_bytes, prefill
 
 
@@ -37,7 +40,14 @@ def _sharded(rank, world, cfg, chunk, shard="hidden"):
 
     model = make_model(cfg)
     out = prefill(model, make_idx(cfg), group=dist.group.WORLD, chunk_size=chunk, shard=shard)
-    return out.logits, out.stats.to_dict(), out.cache.k.clone()
+    if shard == "hidden":
+        return out.logits, out.stats.to_dict(), out.cache.k.clone()
+    n = out.cache.n_local  # sharded by token: this rank's keys and their positions
+    return (
+        out.logits,
+        out.stats.to_dict(),
+        (out.cache.k[:, :, :, :n].clone(), out.cache.positions[:n].clone()),
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -77,11 +87,20 @@ def test_sequence_sharded_prefill_equals_plain(variant):
     model = make_model(cfg)
     idx = make_idx(cfg)
     ref = model(idx)
+    cache = model.new_cache(idx.shape[0])
+    model._run(idx, cache=cache)
     for chunk in (None, 8):
         results = spawn(_sharded, 2, cfg, chunk, "sequence", timeout_s=60)
-        for logits, stats, _ in results:
+        positions = torch.cat([pos for *_, (_, pos) in results]).sort().values
+        assert positions.tolist() == list(range(cfg["seq_len"]))  # every token on exactly one rank
+        for logits, stats, (k, pos) in results:
             torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(k, cache.k[:, :, :, pos], rtol=1e-4, atol=1e-5)
             assert stats["allreduce_bytes"] == 0  # depth attention is per token: no reduction at all
+            assert stats["attention_bytes"] > 0
+            assert stats["kv_cache_bytes"] == (cache.k.numel() * 2 * 4) // cfg["seq_len"] * (
+                cfg["seq_len"] // 2 + 1
+            )
 
 
 def test_block_state_memory_matches_closed_form():
@@ -122,3 +141,103 @@ def test_sequence_shard_needs_even_chunks():
 
     with pytest.raises(DistributedError, match="a chunk of 5 tokens does not split over 2 ranks"):
         spawn(_uneven, 2, timeout_s=60)
+
+
+DECODE_RULES = {
+    "block": {},  # the sequence-sharded block-state prefill
+    "block_two_heads": dict(depth_heads=2),
+    "full": dict(residual="full"),  # the replicated prefill into the sharded KV cache
+    "prenorm": dict(residual="prenorm", block_size=None),
+}
+
+
+def _decode_logits(model, idx, prompt, cache):
+    """Logits of every position after ``prompt`` tokens, fed one at a time through ``cache``."""
+    first = model.lm_head(model.forward_hidden(idx[:, :prompt], cache))
+    steps = [
+        model.lm_head(model.forward_hidden(idx[:, t : t + 1], cache)) for t in range(prompt, idx.shape[1])
+    ]
+    return torch.cat([first] + steps, dim=1)
+
+
+def _sharded_decode(rank, world, cfg, prompt):
+    import torch.distributed as dist
+
+    model, idx = make_model(cfg), make_idx(cfg)
+    cache = ShardedKVCache.for_model(model, idx.shape[0], cfg["seq_len"], dist.group.WORLD)
+    with torch.no_grad():
+        logits = _decode_logits(model, idx, prompt, cache)
+    greedy, gen_cache = sharded_generate(
+        model, idx[:, :11], 9, temperature=0, group=dist.group.WORLD, chunk_size=2 * world
+    )
+    sampled, _ = sharded_generate(
+        model,
+        idx[:, :5],
+        6,
+        temperature=1.0,
+        top_k=8,
+        generator=torch.Generator().manual_seed(rank),
+        group=dist.group.WORLD,
+    )
+    return logits, cache.n_local, cache.nbytes(), greedy, gen_cache.sent_bytes, sampled
+
+
+@pytest.mark.parametrize("rule", list(DECODE_RULES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_kv_decode_equals_plain(rule, world):
+    """Every position's logits through a KV cache split over the ranks equal the plain forward;
+    sharded generation gives the ids of GPT.generate; every rank samples the same tokens."""
+    cfg = {**BASE, **DECODE_RULES[rule]}
+    model, idx = make_model(cfg), make_idx(cfg)
+    ref = model(idx)
+    greedy_ref = model.generate(idx[:, :11], 9, temperature=0)
+    results = spawn(_sharded_decode, world, cfg, 7, timeout_s=120)
+    assert sum(r[1] for r in results) == cfg["seq_len"]  # each token's keys on one rank
+    full_bytes = model.new_cache(idx.shape[0]).k.numel() * 2 * 4
+    for logits, n_local, nbytes, greedy, sent, sampled in results:
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-5)
+        assert n_local in (cfg["seq_len"] // world, -(-cfg["seq_len"] // world))
+        assert nbytes == full_bytes // cfg["seq_len"] * (-(-cfg["seq_len"] // world) + 1)
+        assert torch.equal(greedy, greedy_ref) and sent > 0
+        assert torch.equal(sampled, results[0][5])  # rank 0's token broadcast, whatever the local seed
+
+
+def test_sharded_kv_one_rank_is_the_plain_cache():
+    model, idx = make_model(BASE), make_idx(BASE)
+    cache = ShardedKVCache.for_model(model, idx.shape[0], BASE["seq_len"])
+    with torch.no_grad():
+        torch.testing.assert_close(_decode_logits(model, idx, 5, cache), model(idx), rtol=1e-4, atol=1e-5)
+    assert cache.sent_bytes == 0 and cache.n_local == BASE["seq_len"]
+    ids, _ = sharded_generate(model, idx[:, :7], 10, temperature=0, chunk_size=3)
+    assert torch.equal(ids, model.generate(idx[:, :7], 10, temperature=0))
+    small = ShardedKVCache.for_model(model, idx.shape[0], 6)
+    model.forward_hidden(idx[:, :6], small)
+    with pytest.raises(ValueError, match="7 tokens exceed max_len=6"):
+        model.forward_hidden(idx[:, 6:7], small)  # a full cache says so
+
+
+def test_sharded_generate_rejects_bad_arguments():
+    model, idx = make_model(BASE), make_idx(BASE)
+    for kwargs, match in (
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(max_new_tokens=BASE["seq_len"]), "exceed seq_len"),
+        (dict(max_new_tokens=2, temperature=-1.0), "temperature"),
+        (dict(max_new_tokens=2, chunk_size=0), "chunk_size"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            sharded_generate(model, idx[:, :4], **kwargs)
+    with pytest.raises(ValueError, match="idx"):
+        sharded_generate(model, idx[0], 2)
+
+
+def _odd_chunk(rank, world):
+    import torch.distributed as dist
+
+    sharded_generate(make_model(BASE), make_idx(BASE)[:, :8], 2, group=dist.group.WORLD, chunk_size=3)
+
+
+def test_sharded_generate_needs_chunks_that_split():
+    from attention_residuals.parallel import DistributedError
+
+    with pytest.raises(DistributedError, match="chunk_size: expected a multiple of the 2 ranks, got 3"):
+        spawn(_odd_chunk, 2, timeout_s=60)
