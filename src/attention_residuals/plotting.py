@@ -119,6 +119,49 @@ def new_figure(figsize: tuple[float, float], dpi: int = 120):
     return fig
 
 
+def _loss_points(rows: Sequence[Mapping[str, Any]], x: str, key: str) -> list[tuple[Any, Any]]:
+    return [(r[x], r[key]) for r in rows if r.get(key) is not None and r.get(x) is not None]
+
+
+def _plot_run(axes, label: str, tr: list, va: list, color: str, smooth: float) -> None:
+    """One run on both panels: smoothed training loss (faint) and validation loss (markers)."""
+    for ax in axes:
+        if tr:
+            ax.plot(
+                [p[0] for p in tr],
+                ema([p[1] for p in tr], smooth),
+                color=color,
+                alpha=0.35,
+                lw=1.2,
+                label=f"{label} train (EMA)",
+            )
+        if va:
+            ax.plot(
+                [p[0] for p in va],
+                [p[1] for p in va],
+                color=color,
+                lw=2,
+                marker="o",
+                ms=3.5,
+                label=f"{label} val",
+            )
+
+
+def _label_axes(axes, zoom_lo: float, zoom_hi: float, xmax: float, x: str, ylabel: str) -> None:
+    """Titles, labels, grids and legend; the right panel zoomed on the validation losses' second half."""
+    axes[0].set_title("loss")
+    axes[1].set_title("second half (val)")
+    if math.isfinite(zoom_lo):
+        pad = max(0.02, 0.15 * (zoom_hi - zoom_lo))
+        axes[1].set_ylim(zoom_lo - pad, zoom_hi + pad)
+        axes[1].set_xlim(0.5 * xmax, xmax * 1.01 if xmax else 1)
+    for ax in axes:
+        ax.set_xlabel(x)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+
+
 def plot_loss_curves(
     curves: Mapping[str, Sequence[Mapping[str, Any]]],
     path: str | os.PathLike,
@@ -139,49 +182,16 @@ def plot_loss_curves(
     zoom_lo, zoom_hi = math.inf, -math.inf
     xmax = 0.0
     for i, (label, rows) in enumerate(curves.items()):
-        c = colors[i % len(colors)]
-        tr = [
-            (r[x], r["train_loss"]) for r in rows if r.get("train_loss") is not None and r.get(x) is not None
-        ]
-        va = [(r[x], r["val_loss"]) for r in rows if r.get("val_loss") is not None and r.get(x) is not None]
+        tr, va = _loss_points(rows, x, "train_loss"), _loss_points(rows, x, "val_loss")
         if tr:
             xmax = max(xmax, tr[-1][0])
         if va:
             xmax = max(xmax, va[-1][0])
-        for ax in axes:
-            if tr:
-                ax.plot(
-                    [p[0] for p in tr],
-                    ema([p[1] for p in tr], smooth),
-                    color=c,
-                    alpha=0.35,
-                    lw=1.2,
-                    label=f"{label} train (EMA)",
-                )
-            if va:
-                ax.plot(
-                    [p[0] for p in va],
-                    [p[1] for p in va],
-                    color=c,
-                    lw=2,
-                    marker="o",
-                    ms=3.5,
-                    label=f"{label} val",
-                )
+        _plot_run(axes, label, tr, va, colors[i % len(colors)], smooth)
         half = [v for s, v in va if s >= 0.5 * (va[-1][0] if va else 0)]
         if half:
             zoom_lo, zoom_hi = min(zoom_lo, min(half)), max(zoom_hi, max(half))
-    axes[0].set_title("loss")
-    axes[1].set_title("second half (val)")
-    if math.isfinite(zoom_lo):
-        pad = max(0.02, 0.15 * (zoom_hi - zoom_lo))
-        axes[1].set_ylim(zoom_lo - pad, zoom_hi + pad)
-        axes[1].set_xlim(0.5 * xmax, xmax * 1.01 if xmax else 1)
-    for ax in axes:
-        ax.set_xlabel(x)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    _label_axes(axes, zoom_lo, zoom_hi, xmax, x, ylabel)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -184,6 +184,28 @@ def report_prefill_example(
     return dict(full_bytes=full, sharded_bytes=full // tp, sharded_chunked_bytes=full // tp * chunk // tokens)
 
 
+def _prefill_row(
+    tp: int, shard: str, chunk_size: int, res: list[dict], ref: torch.Tensor, N: int, d: int
+) -> dict:
+    """One configuration's row: per-rank memory and traffic, the logits' error, the wall time."""
+    st = [r["stats"] for r in res]
+    return dict(
+        tp=tp,
+        shard=shard,
+        chunk_size=chunk_size,
+        peak_block_bytes_per_rank=max(s["peak_block_bytes"] for s in st),
+        peak_block_tensors=st[0]["peak_block_tensors"],
+        formula_block_bytes=st[0]["formula_block_bytes"],
+        report_formula_bytes=block_state_bytes(N, 1, chunk_size, d, 4, tp),  # N T d / P (no b_0)
+        kv_cache_bytes_per_rank=st[0]["kv_cache_bytes"],
+        transient_bytes_per_rank=st[0]["transient_bytes"],
+        allreduce_bytes_per_rank=st[0]["allreduce_bytes"],
+        allgather_bytes_per_rank=st[0]["allgather_bytes"],
+        max_abs_logit_diff=max(float((r["logits"] - ref).abs().max()) for r in res),
+        wall_s=max(r["wall_s"] for r in res),
+    )
+
+
 def bench_prefill(seq_len: int = 8192, tps=(1, 2, 4, 8), chunk_div: int = 8) -> dict:
     model = _prefill_model(seq_len)
     idx = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(2))
@@ -204,24 +226,7 @@ def bench_prefill(seq_len: int = 8192, tps=(1, 2, 4, 8), chunk_div: int = 8) -> 
             res = spawn(_prefill_worker, tp, seq_len, ch, shard, timeout_s=600)
         else:
             res = [_prefill_worker(0, 1, seq_len, ch)]
-        st = [r["stats"] for r in res]
-        runs.append(
-            dict(
-                tp=tp,
-                shard=shard,
-                chunk_size=ch or seq_len,
-                peak_block_bytes_per_rank=max(s["peak_block_bytes"] for s in st),
-                peak_block_tensors=st[0]["peak_block_tensors"],
-                formula_block_bytes=st[0]["formula_block_bytes"],
-                report_formula_bytes=block_state_bytes(N, 1, ch or seq_len, d, 4, tp),  # N T d / P (no b_0)
-                kv_cache_bytes_per_rank=st[0]["kv_cache_bytes"],
-                transient_bytes_per_rank=st[0]["transient_bytes"],
-                allreduce_bytes_per_rank=st[0]["allreduce_bytes"],
-                allgather_bytes_per_rank=st[0]["allgather_bytes"],
-                max_abs_logit_diff=max(float((r["logits"] - ref).abs().max()) for r in res),
-                wall_s=max(r["wall_s"] for r in res),
-            )
-        )
+        runs.append(_prefill_row(tp, shard, ch or seq_len, res, ref, N, d))
     rep = REPORT_EXAMPLE
     example = report_prefill_example(
         rep["tokens"], rep["blocks"], rep["d_model"], rep["bytes_per_elem"], rep["tp"], rep["chunk"]

@@ -225,6 +225,65 @@ def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
     return lines + [""]
 
 
+def _pipeline_lines(pipeline: list[dict]) -> list[str]:
+    rows = []
+    for p in pipeline:
+        for name, s in p["schemes"].items():
+            rows.append(
+                [
+                    p["P"],
+                    p["V"],
+                    p["L"],
+                    p["S"],
+                    p.get("schedule", "—"),
+                    name,
+                    s["bytes_forward"],
+                    s["tensors_per_token_measured"],
+                    s["tensors_per_token_derived"],
+                    s["report_formula"],
+                    f"{s['max_grad_abs_diff']:.1e}",
+                ]
+            )
+    return _table(
+        [
+            "P",
+            "V",
+            "L",
+            "S",
+            "schedule",
+            "scheme",
+            "bytes fwd",
+            "tensors/token measured",
+            "derived",
+            "report formula",
+            "max grad diff vs 1 process",
+        ],
+        rows,
+    )
+
+
+def _prefill_lines(prefill: dict) -> list[str]:
+    pm = prefill["model"]
+    return [
+        f"Prefill of T = {pm['seq_len']} tokens (d = {pm['d_model']}, {pm['n_blocks']} blocks): block-state "
+        "memory per rank by tensor-parallel degree, sharding and chunk size.",
+        "",
+    ] + _table(
+        ["ranks", "shard", "chunk", "block states MiB / rank", "formula MiB", "max logit diff"],
+        [
+            [
+                r["tp"],
+                r["shard"],
+                r["chunk_size"],
+                _f(r["peak_block_bytes_per_rank"] / 2**20, 2),
+                _f(r["formula_block_bytes"] / 2**20, 2),
+                f"{r['max_abs_logit_diff']:.1e}",
+            ]
+            for r in prefill["runs"]
+        ],
+    )
+
+
 def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
     missing = [
         k for k in ("pipeline", "prefill") if k not in d
@@ -240,62 +299,9 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
             " our derived count and the report's formula (tensors per token); gradients against one"
             " process."
         )
-        rows = []
-        for p in d["pipeline"]:
-            for name, s in p["schemes"].items():
-                rows.append(
-                    [
-                        p["P"],
-                        p["V"],
-                        p["L"],
-                        p["S"],
-                        p.get("schedule", "—"),
-                        name,
-                        s["bytes_forward"],
-                        s["tensors_per_token_measured"],
-                        s["tensors_per_token_derived"],
-                        s["report_formula"],
-                        f"{s['max_grad_abs_diff']:.1e}",
-                    ]
-                )
-        lines += _table(
-            [
-                "P",
-                "V",
-                "L",
-                "S",
-                "schedule",
-                "scheme",
-                "bytes fwd",
-                "tensors/token measured",
-                "derived",
-                "report formula",
-                "max grad diff vs 1 process",
-            ],
-            rows,
-        )
-    if "prefill" not in d:
-        return lines
-    pm = d["prefill"]["model"]
-    lines += [
-        f"Prefill of T = {pm['seq_len']} tokens (d = {pm['d_model']}, {pm['n_blocks']} blocks): block-state "
-        "memory per rank by tensor-parallel degree, sharding and chunk size.",
-        "",
-    ]
-    lines += _table(
-        ["ranks", "shard", "chunk", "block states MiB / rank", "formula MiB", "max logit diff"],
-        [
-            [
-                r["tp"],
-                r["shard"],
-                r["chunk_size"],
-                _f(r["peak_block_bytes_per_rank"] / 2**20, 2),
-                _f(r["formula_block_bytes"] / 2**20, 2),
-                f"{r['max_abs_logit_diff']:.1e}",
-            ]
-            for r in d["prefill"]["runs"]
-        ],
-    )
+        lines += _pipeline_lines(d["pipeline"])
+    if "prefill" in d:
+        lines += _prefill_lines(d["prefill"])
     return lines
 
 

@@ -435,9 +435,8 @@ def _delta_cell(losses: dict[int, float], base: dict[int, float]) -> dict:
     }
 
 
-def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
-    """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
-    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+def _budget_rows(todo, summaries, tpp_of) -> list[dict]:
+    """One row per (corpus and depth, tokens/param): PreNorm's loss and each variant's paired Δ."""
     cells = _paired_deltas(todo, summaries, lambda sp: (sp.group, tpp_of[sp.name]))
     rows = []
     for (group, tpp), by_var in sorted(cells.items()):
@@ -452,6 +451,10 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
             "deltas": {v: _delta_cell(ls, base) for v, ls in by_var.items() if v != "prenorm" and base},
         }
         rows.append(row)
+    return rows
+
+
+def _plot_budget(rows: list[dict], path: Path) -> None:
     groups = list(dict.fromkeys(r["group"] for r in rows))
     fig = new_figure((5.2 * len(groups), 4))
     axes = fig.subplots(1, len(groups), squeeze=False)[0]
@@ -473,7 +476,10 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
         ax.set_title(group.replace("_", ", ").replace("L", "L = ", 1))
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(exp_dir / "budget.png", dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def _budget_table(rows: list[dict], budget, meta) -> list[str]:
     variants = list(dict.fromkeys(v for r in rows for v in r["deltas"]))
     lines = [
         "| corpus, sublayers | tokens/param | tokens | steps | PreNorm val loss | "
@@ -504,8 +510,16 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     ]
     if "runs_planned" in meta:
         lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    return lines
+
+
+def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
+    """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
+    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+    rows = _budget_rows(todo, summaries, tpp_of)
+    _plot_budget(rows, exp_dir / "budget.png")
     depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
-    lines += _depth_table(depth)
+    lines = _budget_table(rows, budget, meta) + _depth_table(depth)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"rows": rows, "depth_weights": depth}
 

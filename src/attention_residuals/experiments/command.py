@@ -19,10 +19,9 @@ from .specs import BUDGETS, DEFAULT_ROOTS, REPORT_ROOT, SUBCOMMANDS
 __all__ = ["build_parser", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _epilog() -> str:
     width = max(map(len, SUBCOMMANDS)) + 2
-    roots = ", ".join(f"{b}: {r}" for b, r in DEFAULT_ROOTS.items())
-    epilog = "\n".join(
+    return "\n".join(
         ["experiments:"]
         + [f"  {name:<{width}}{help_}" for name, help_ in SUBCOMMANDS.items()]
         + [
@@ -34,14 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
             "  attnres experiment scaling --preset report --data corpus/   # the GPU-scale sweep",
         ]
     )
-    p = argparse.ArgumentParser(
-        prog="attnres experiment",
-        description="The experiments of the AttnRes report (its section 5) at small scale, "
-        "one command each: resumable training runs, then tables and plots.",
-        epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("experiment", choices=tuple(SUBCOMMANDS), help="which experiment to run (or `report`)")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    """What every run trains: the size preset and options set on every run."""
     p.add_argument(
         "--preset",
         "--budget",  # its first name, kept so the commands recorded in results/ still run
@@ -65,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="set a training/model option of every run (value parsed as JSON, else a string), e.g. "
         "lr=1e-3 device=cuda; the runs are keyed by it, so they never mix with runs without it",
     )
+
+
+def _add_selection_args(p: argparse.ArgumentParser) -> None:
+    """Where the results go and which runs this invocation trains or tabulates."""
+    roots = ", ".join(f"{b}: {r}" for b, r in DEFAULT_ROOTS.items())
     p.add_argument(
         "--root",
         default=None,
@@ -85,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train nothing; tabulate the runs finished so far (interim tables of a long study)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="attnres experiment",
+        description="The experiments of the AttnRes report (its section 5) at small scale, "
+        "one command each: resumable training runs, then tables and plots.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("experiment", choices=tuple(SUBCOMMANDS), help="which experiment to run (or `report`)")
+    _add_config_args(p)
+    _add_selection_args(p)
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads of this process (default: torch's)"
     )

@@ -204,17 +204,8 @@ def _paired_delta(results: list[dict]) -> tuple[list[float], str]:
     return deltas, text
 
 
-def render_report(
-    results: list[dict],
-    *,
-    corpus_info: dict,
-    plot: Path,
-    report: Path,
-    command: str,
-    base: dict,
-    study: str | None = None,
-) -> str:
-    table = markdown_table(
+def _results_table(results: list[dict]) -> str:
+    return markdown_table(
         _result_rows(results),
         [
             ("label", "run", None),
@@ -227,7 +218,10 @@ def render_report(
             ("wall_s", "wall time", format_duration),
         ],
     )
-    _, verdict = _paired_delta(results)
+
+
+def _setup_lines(results: list[dict], corpus_info: dict, base: dict) -> list[str]:
+    """The report's Setup section: corpus, model, training recipe, validation and machine."""
     ci = corpus_info
     shape = (
         f"{base['n_layer']} transformer blocks (L = {2 * base['n_layer']} sublayers), d_model {base['d_model']}, "
@@ -240,25 +234,7 @@ def render_report(
         f"seeds {', '.join(map(str, DEMO_SEEDS))}"
     )
     total = sum(r["summary"]["wall_s"] or 0 for r in results)
-    lines = [
-        "# Attention Residuals demo: PreNorm vs Block AttnRes",
-        "",
-        "Byte-level GPTs that differ only in how sublayer outputs are mixed over depth, trained on the default "
-        f"corpus with two seeds each. {verdict}",
-        "",
-        table,
-        "",
-        f"![loss curves]({relpath(plot, report.parent)})",
-        "",
-        "## What this does and does not show",
-        "",
-        "This is one point of the budget study (`attnres experiment budget`): the 12-sublayer model at 4 training "
-        "tokens per parameter, with the study's recipe (one learning rate for both rules). It is not the whole "
-        "answer. In the study, Block AttnRes's lead over PreNorm is largest after ~1 token per parameter and "
-        "shrinks as training gets longer; the table below (tokens/param on every row) is what the study has "
-        "measured so far, each budget its own run with its own schedule.",
-        "",
-        *(["## The budget study (committed results)", "", study.strip(), ""] if study else []),
+    return [
         "## Setup",
         "",
         f"- Corpus: the `.py` files of this machine's Python standard library (Python {platform.python_version()}), "
@@ -272,6 +248,11 @@ def render_report(
         f"- Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
         f"total training wall time {format_duration(total)}.",
         "",
+    ]
+
+
+def _reproduce_lines(results: list[dict], command: str) -> list[str]:
+    return [
         "## Reproduce",
         "",
         "```",
@@ -287,6 +268,41 @@ def render_report(
         "Re-running skips finished runs and resumes interrupted ones. `attnres eval RUN_DIR` re-computes a "
         "validation loss, `attnres sample RUN_DIR --prompt 'def '` generates text.",
         "",
+    ]
+
+
+def render_report(
+    results: list[dict],
+    *,
+    corpus_info: dict,
+    plot: Path,
+    report: Path,
+    command: str,
+    base: dict,
+    study: str | None = None,
+) -> str:
+    _, verdict = _paired_delta(results)
+    lines = [
+        "# Attention Residuals demo: PreNorm vs Block AttnRes",
+        "",
+        "Byte-level GPTs that differ only in how sublayer outputs are mixed over depth, trained on the default "
+        f"corpus with two seeds each. {verdict}",
+        "",
+        _results_table(results),
+        "",
+        f"![loss curves]({relpath(plot, report.parent)})",
+        "",
+        "## What this does and does not show",
+        "",
+        "This is one point of the budget study (`attnres experiment budget`): the 12-sublayer model at 4 training "
+        "tokens per parameter, with the study's recipe (one learning rate for both rules). It is not the whole "
+        "answer. In the study, Block AttnRes's lead over PreNorm is largest after ~1 token per parameter and "
+        "shrinks as training gets longer; the table below (tokens/param on every row) is what the study has "
+        "measured so far, each budget its own run with its own schedule.",
+        "",
+        *(["## The budget study (committed results)", "", study.strip(), ""] if study else []),
+        *_setup_lines(results, corpus_info, base),
+        *_reproduce_lines(results, command),
     ]
     return "\n".join(lines)
 

@@ -154,6 +154,74 @@ def _meta(
     }
 
 
+def _planned_runs(
+    experiment: str, budget: Budget, overrides: dict[str, Any] | None
+) -> tuple[list[RunSpec], dict[str, Any] | None]:
+    """Every run of the experiment with ``overrides`` set, and the overrides (a ``--data`` source's
+    vocabulary size added)."""
+    if overrides and "data" in overrides and "vocab_size" not in overrides:  # e.g. 257: bytes + end-of-text
+        vocab = data_vocab_size(make_config(**overrides))
+        overrides = {**overrides, **({"vocab_size": vocab} if vocab is not None else {})}
+    every = (
+        [with_overrides(s, overrides) for s in specs(experiment, budget)]
+        if overrides
+        else specs(experiment, budget)
+    )
+    return every, overrides
+
+
+def _finished_so_far(
+    experiment: str, every: list[RunSpec], root: str | Path, budget_name: str
+) -> tuple[list[RunSpec], dict[str, dict]] | None:
+    """``--partial``: the runs finished so far and their summaries (None, said, when there is none)."""
+    summaries = {s.name: done for s in every if (done := _finished(root, s, budget_name))}
+    todo = [s for s in every if s.name in summaries]
+    if not todo:
+        print(f"--partial: no run of {experiment} is finished yet", file=sys.stderr)
+        return None
+    return todo, summaries
+
+
+def _train_experiment(
+    experiment: str,
+    every: list[RunSpec],
+    todo: list[RunSpec],
+    shard: tuple[int, int] | None,
+    budget: Budget,
+    budget_name: str,
+    root: str | Path,
+    corpora: _Corpora,
+) -> dict[str, dict] | None:
+    """Train the wanted runs (this shard's); every run's summary, or None while some run of the
+    experiment is not finished (the tables cover the whole experiment) or for a shard."""
+    runs = todo if shard is None else todo[shard[0] :: shard[1]]
+    summaries = _train_all(runs, budget, budget_name, root, corpora, f"{experiment} ({budget_name})")
+    if shard is not None:
+        return None
+    missing = [s for s in every if s.name not in summaries and not _finished(root, s, budget_name)]
+    if missing:
+        print(
+            f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
+            f"finished ({missing[0].name} is not)",
+            file=sys.stderr,
+        )
+        return None
+    summaries.update({s.name: _finished(root, s, budget_name) for s in every if s.name not in summaries})
+    return summaries
+
+
+def _note_options(
+    meta: dict[str, Any], overrides: dict[str, Any] | None, partial: bool, finished: int, planned: int
+) -> None:
+    """Add ``--override`` and ``--partial`` to the meta's command (a partial table also counts its runs)."""
+    if overrides:
+        meta["command"] += " --override " + " ".join(
+            f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()
+        )
+    if partial:
+        meta.update(command=meta["command"] + " --partial", runs_finished=finished, runs_planned=planned)
+
+
 def run_experiment(
     experiment: str,
     budget_name: str = "quick",
@@ -182,45 +250,21 @@ def run_experiment(
     budget, exp_dir = BUDGETS[budget_name], Path(root) / experiment
     if not force:
         check_budget(exp_dir, budget_name)
-    if overrides and "data" in overrides and "vocab_size" not in overrides:  # e.g. 257: bytes + end-of-text
-        vocab = data_vocab_size(make_config(**overrides))
-        overrides = {**overrides, **({"vocab_size": vocab} if vocab is not None else {})}
-    every = (
-        [with_overrides(s, overrides) for s in specs(experiment, budget)]
-        if overrides
-        else specs(experiment, budget)
-    )
+    every, overrides = _planned_runs(experiment, budget, overrides)
     wanted = set(only or ())
     todo = [s for s in every if not wanted or wanted & {s.variant, s.name, s.group}]
     corpora, t0 = _Corpora(), time.time()
     if partial:
-        summaries = {s.name: done for s in every if (done := _finished(root, s, budget_name))}
-        todo = [s for s in every if s.name in summaries]
-        if not todo:
-            print(f"--partial: no run of {experiment} is finished yet", file=sys.stderr)
+        if (finished := _finished_so_far(experiment, every, root, budget_name)) is None:
             return None
+        todo, summaries = finished
     else:
-        runs = todo if shard is None else todo[shard[0] :: shard[1]]
-        summaries = _train_all(runs, budget, budget_name, root, corpora, f"{experiment} ({budget_name})")
-        if shard is not None:
+        summaries = _train_experiment(experiment, every, todo, shard, budget, budget_name, root, corpora)
+        if summaries is None:
             return None
-        missing = [s for s in every if s.name not in summaries and not _finished(root, s, budget_name)]
-        if missing:  # the tables cover the whole experiment: only once every one of its runs is finished
-            print(
-                f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
-                f"finished ({missing[0].name} is not)",
-                file=sys.stderr,
-            )
-            return None
-        summaries.update({s.name: _finished(root, s, budget_name) for s in every if s.name not in summaries})
         todo = every
     meta = _meta(experiment, budget_name, budget, root, todo, summaries, corpora, t0)
-    if overrides:
-        meta["command"] += " --override " + " ".join(
-            f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()
-        )
-    if partial:
-        meta.update(command=meta["command"] + " --partial", runs_finished=len(todo), runs_planned=len(every))
+    _note_options(meta, overrides, partial, len(todo), len(every))
     exp_dir.mkdir(parents=True, exist_ok=True)
     results = ANALYSES[experiment](todo, summaries, exp_dir, budget, meta)
     results["run_dirs"] = {spec.name: summaries[spec.name]["run_dir"] for spec in todo}

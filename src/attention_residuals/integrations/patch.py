@@ -266,6 +266,45 @@ def _record_settings(model: nn.Module, settings: dict) -> None:
             object.__setattr__(model, "save_pretrained", types.MethodType(_save_patched, model))
 
 
+def _check_applicable(model: nn.Module, residual: str, options: dict) -> None:
+    if "mode" in options:
+        raise TypeError("apply_attnres: mode= is now residual= (the rule's one name everywhere)")
+    if residual not in RESIDUALS:
+        raise ValueError(f"residual: expected one of {RESIDUALS}, got {residual!r}")
+    if getattr(model, "attnres_patch", None) is not None:
+        raise ValueError("model: AttnRes is already applied (remove_attnres(model) first)")
+
+
+def _patch_layers(layer_list: nn.ModuleList, names: tuple[str, str, str, str], conn: nn.Module) -> None:
+    """Route every layer's forward through :func:`_patched_forward`, one shared run state for all."""
+    run = _Run()
+    for i, layer in enumerate(layer_list):
+        original = layer.forward
+        try:
+            signature = inspect.signature(original)
+        except (TypeError, ValueError):  # pragma: no cover - builtins
+            signature = None
+        spec = _LayerSpec(i, i == len(layer_list) - 1, names, signature, original, run)
+        object.__setattr__(layer, "_attnres_spec", spec)
+        object.__setattr__(layer, "_attnres_connection", conn)
+        object.__setattr__(layer, "forward", types.MethodType(_patched_forward, layer))
+
+
+def _settings(
+    model: nn.Module, conn: nn.Module, path: str, names: tuple[str, str, str, str], d: int, eps: float
+) -> dict:
+    """What :func:`apply_attnres` applied: the patch's settings, also kept in a ``transformers`` config."""
+    return {
+        "format": SETTINGS_FORMAT,
+        "residual": conn.config.to_dict(),
+        "layers": path,
+        "names": list(names),
+        "d_model": d,
+        "eps": eps,
+        "base_architecture": getattr(type(model), "_attnres_base", type(model)).__name__,
+    }
+
+
 def apply_attnres(
     model: nn.Module,
     residual: str = "block",
@@ -301,12 +340,7 @@ def apply_attnres(
     The connection's parameters (zero-init queries) are created on the model's device and dtype
     and registered as ``attnres`` on the module owning the layer list.
     """
-    if "mode" in options:
-        raise TypeError("apply_attnres: mode= is now residual= (the rule's one name everywhere)")
-    if residual not in RESIDUALS:
-        raise ValueError(f"residual: expected one of {RESIDUALS}, got {residual!r}")
-    if getattr(model, "attnres_patch", None) is not None:
-        raise ValueError("model: AttnRes is already applied (remove_attnres(model) first)")
+    _check_applicable(model, residual, options)
     path, layer_list, names = _resolve_layers(model, layers, names)
     owner = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     if hasattr(owner, _OWNER_ATTR):
@@ -322,26 +356,8 @@ def apply_attnres(
         conn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
     owner.add_module(_OWNER_ATTR, conn)
 
-    run = _Run()
-    for i, layer in enumerate(layer_list):
-        original = layer.forward
-        try:
-            signature = inspect.signature(original)
-        except (TypeError, ValueError):  # pragma: no cover - builtins
-            signature = None
-        spec = _LayerSpec(i, i == len(layer_list) - 1, names, signature, original, run)
-        object.__setattr__(layer, "_attnres_spec", spec)
-        object.__setattr__(layer, "_attnres_connection", conn)
-        object.__setattr__(layer, "forward", types.MethodType(_patched_forward, layer))
-    settings = {
-        "format": SETTINGS_FORMAT,
-        "residual": conn.config.to_dict(),
-        "layers": path,
-        "names": list(names),
-        "d_model": d,
-        "eps": eps,
-        "base_architecture": getattr(type(model), "_attnres_base", type(model)).__name__,
-    }
+    _patch_layers(layer_list, names, conn)
+    settings = _settings(model, conn, path, names, d, eps)
     patch = AttnResPatch(residual, conn, layer_list, owner, names, n_sub, settings)
     object.__setattr__(model, "attnres_patch", patch)  # not a submodule: no duplicate parameters
     _record_settings(model, settings)

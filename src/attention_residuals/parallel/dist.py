@@ -124,6 +124,31 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def _create_group(
+    backend: str, rank: int, world_size: int, local_rank: int, init_method: str | None, timeout: float
+) -> None:
+    """The default process group; a failed rendezvous is a :class:`DistributedError` that says
+    what usually causes it."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    kwargs: dict[str, Any] = dict(
+        backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+    )
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    started = time.monotonic()
+    try:
+        dist.init_process_group(**kwargs)
+    except Exception as exc:  # DistStoreError (a subclass of RuntimeError), ValueError, ...
+        waited = time.monotonic() - started
+        raise DistributedError(
+            f"rank {rank}: process-group rendezvous failed after {waited:.1f}s (world_size={world_size}, "
+            f"backend={backend}, timeout={timeout:g}s): {_first_line(exc)}. A rendezvous that times out "
+            f"usually means fewer processes started than world_size says (check --nproc-per-node / "
+            f"WORLD_SIZE) or a rank crashed before joining"
+        ) from exc
+
+
 def init_distributed(
     backend: str | None = None,
     *,
@@ -164,24 +189,7 @@ def init_distributed(
             f"rank {rank}: this job needs world_size={expected_world_size} processes but was launched "
             f"with world_size={world_size}; fix --nproc-per-node (or WORLD_SIZE)"
         )
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    kwargs: dict[str, Any] = dict(
-        backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
-    )
-    if init_method is not None:
-        kwargs["init_method"] = init_method
-    started = time.monotonic()
-    try:
-        dist.init_process_group(**kwargs)
-    except Exception as exc:  # DistStoreError (a subclass of RuntimeError), ValueError, ...
-        waited = time.monotonic() - started
-        raise DistributedError(
-            f"rank {rank}: process-group rendezvous failed after {waited:.1f}s (world_size={world_size}, "
-            f"backend={backend}, timeout={timeout:g}s): {_first_line(exc)}. A rendezvous that times out "
-            f"usually means fewer processes started than world_size says (check --nproc-per-node / "
-            f"WORLD_SIZE) or a rank crashed before joining"
-        ) from exc
+    _create_group(backend, rank, world_size, local_rank, init_method, timeout)
     env = DistEnv(rank, world_size, local_rank, backend, True, timeout)
     check_consistent({"world_size": world_size}, "world size")
     return env
@@ -310,6 +318,66 @@ def _worker(
             destroy_distributed()
 
 
+def _fresh_init_file() -> str:
+    """A path for the file rendezvous that does not exist yet: FileStore creates it, and a stale
+    file would confuse the rendezvous."""
+    fd, init_file = tempfile.mkstemp(prefix="attnres_pg_")
+    os.close(fd)
+    os.remove(init_file)
+    return init_file
+
+
+def _await_results(
+    results: Any,
+    started: list[int],
+    procs: list[Any],
+    got: dict[int, tuple[str, Any]],
+    deadline: float,
+    group_timeout: float,
+) -> float:
+    """Fill ``got`` with the ranks' reports until every rank reported, the deadline passed or every
+    rank is dead; returns the deadline (shortened once a rank exited without reporting)."""
+    while len(got) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, payload = results.get(timeout=min(remaining, 0.5))
+            got[rank] = (status, payload)
+        except queue_mod.Empty:
+            dead = [
+                r
+                for r, p in zip(started, procs, strict=True)
+                if not p.is_alive() and r not in got and p.exitcode not in (None, 0)
+            ]
+            if dead and all(not p.is_alive() for p in procs):
+                break
+            # a rank that exited without reporting: give the others their process-group timeout
+            if dead:
+                deadline = min(deadline, time.monotonic() + group_timeout + 5.0)
+    return deadline
+
+
+def _stop_ranks(procs: list[Any], all_reported: bool, deadline: float) -> None:
+    """Join the ranks (until the deadline when all reported, briefly otherwise); kill stragglers."""
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()) if all_reported else 0.5)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _rank_errors(started: list[int], procs: list[Any], got: dict[int, tuple[str, Any]]) -> list[str]:
+    errors = []
+    for r, p in zip(started, procs, strict=True):
+        if r not in got:
+            errors.append(f"rank {r}: exited with code {p.exitcode} without a result")
+        elif got[r][0] == "error":
+            errors.append(f"rank {r}: {got[r][1]}")
+    return errors
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -341,9 +409,7 @@ def spawn(
     ctx = torch.multiprocessing.get_context(start_method)
     results = ctx.Queue()
     group_timeout = group_timeout_s if group_timeout_s is not None else max(1.0, timeout_s / 2)
-    fd, init_file = tempfile.mkstemp(prefix="attnres_pg_")
-    os.close(fd)
-    os.remove(init_file)  # FileStore creates it; a stale file would confuse the rendezvous
+    init_file = _fresh_init_file()
     started = list(range(world_size) if ranks is None else ranks)
     init = f"env:{_free_port()}" if launcher else init_file
     procs = [
@@ -357,39 +423,12 @@ def spawn(
     deadline = time.monotonic() + timeout_s
     got: dict[int, tuple[str, Any]] = {}
     try:
-        while len(got) < len(procs):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 0.5))
-                got[rank] = (status, payload)
-            except queue_mod.Empty:
-                dead = [
-                    r
-                    for r, p in zip(started, procs, strict=True)
-                    if not p.is_alive() and r not in got and p.exitcode not in (None, 0)
-                ]
-                if dead and all(not p.is_alive() for p in procs):
-                    break
-                # a rank that exited without reporting: give the others their process-group timeout
-                if dead:
-                    deadline = min(deadline, time.monotonic() + group_timeout + 5.0)
+        deadline = _await_results(results, started, procs, got, deadline, group_timeout)
     finally:
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()) if len(got) == len(procs) else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
+        _stop_ranks(procs, len(got) == len(procs), deadline)
         with contextlib.suppress(FileNotFoundError):
             os.remove(init_file)
-    errors = []
-    for r, p in zip(started, procs, strict=True):
-        if r not in got:
-            errors.append(f"rank {r}: exited with code {p.exitcode} without a result")
-        elif got[r][0] == "error":
-            errors.append(f"rank {r}: {got[r][1]}")
+    errors = _rank_errors(started, procs, got)
     if errors:
         raise DistributedError(f"{len(errors)} of {len(started)} ranks failed:\n" + "\n".join(errors))
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in started]

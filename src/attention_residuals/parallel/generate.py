@@ -86,13 +86,17 @@ def sharded_generate(
     return idx, cache
 
 
-def _prefill(model: GPT, idx: torch.Tensor, max_len: int, group, chunk_size) -> tuple[torch.Tensor, ShardedKVCache]:
+def _prefill(
+    model: GPT, idx: torch.Tensor, max_len: int, group, chunk_size
+) -> tuple[torch.Tensor, ShardedKVCache]:
     """The last position's logits ``[B, vocab]`` and the filled sharded cache."""
     world = dist.get_world_size(group) if group is not None else 1
     T = idx.shape[1]
     even = T - T % world if sharded_prefill_applies(model) else 0
     if even:
-        out = prefill(model, idx[:, :even], group=group, chunk_size=chunk_size, max_len=max_len, last_only=True)
+        out = prefill(
+            model, idx[:, :even], group=group, chunk_size=chunk_size, max_len=max_len, last_only=True
+        )
         cache = out.cache
         if even == T:
             return out.logits[:, -1], cache

@@ -140,6 +140,31 @@ class StageModule(nn.Module):
         return out
 
 
+def _check_options(model: GPT, virtual: int, schedule: str, scheme: str) -> None:
+    """The options :class:`PipelinedGPT` refuses by name, then a missing process group."""
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"schedule: expected one of {PP_SCHEDULES}, got {schedule!r}")
+    if scheme not in PP_SCHEMES:
+        raise ValueError(f"scheme: expected one of {PP_SCHEMES}, got {scheme!r}")
+    if not isinstance(model.residual, BlockAttnRes):
+        raise ValueError(
+            f"model: pipelining carries Block AttnRes states, got residual={model.config.residual.rule!r}"
+        )
+    if (schedule == "interleaved") != (virtual > 1):
+        raise ValueError(f"virtual: the interleaved schedule needs virtual > 1 (and only it), got {virtual}")
+    if not dist.is_initialized():
+        raise DistributedError("pipelining needs a process group: run under torchrun (or spawn)")
+
+
+def _check_microbatches(microbatches: int, schedule: str, stages: int) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches: expected a positive integer, got {microbatches!r}")
+    if schedule != "gpipe" and microbatches < stages:
+        raise ValueError(
+            f"microbatches: {schedule} needs at least {stages} (one per stage) to fill the pipeline, got {microbatches}"
+        )
+
+
 class PipelinedGPT:
     """This rank's part of a Block AttnRes :class:`GPT` pipelined over ``group`` (default: the
     world; ``P`` = its size) with ``virtual`` stages per rank.
@@ -159,28 +184,10 @@ class PipelinedGPT:
         microbatches: int = 2,
         group=None,
     ) -> None:
-        if schedule not in PP_SCHEDULES:
-            raise ValueError(f"schedule: expected one of {PP_SCHEDULES}, got {schedule!r}")
-        if scheme not in PP_SCHEMES:
-            raise ValueError(f"scheme: expected one of {PP_SCHEMES}, got {scheme!r}")
-        if not isinstance(model.residual, BlockAttnRes):
-            raise ValueError(
-                f"model: pipelining carries Block AttnRes states, got residual={model.config.residual.rule!r}"
-            )
-        if (schedule == "interleaved") != (virtual > 1):
-            raise ValueError(
-                f"virtual: the interleaved schedule needs virtual > 1 (and only it), got {virtual}"
-            )
-        if not dist.is_initialized():
-            raise DistributedError("pipelining needs a process group: run under torchrun (or spawn)")
-        self.group, self.scheme, self.microbatches = group, scheme, microbatches
+        _check_options(model, virtual, schedule, scheme)
         stages = dist.get_world_size(group)
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches: expected a positive integer, got {microbatches!r}")
-        if schedule != "gpipe" and microbatches < stages:
-            raise ValueError(
-                f"microbatches: {schedule} needs at least {stages} (one per stage) to fill the pipeline, got {microbatches}"
-            )
+        _check_microbatches(microbatches, schedule, stages)
+        self.group, self.scheme, self.microbatches = group, scheme, microbatches
         self.rank = dist.get_rank(group)
         self.layout = PipelineLayout.build(
             model.residual.n_layers, model.residual.block_size, stages, virtual

@@ -172,6 +172,61 @@ def _check_model(model) -> BlockAttnRes:
 SHARDS = ("sequence", "hidden")
 
 
+def _hidden_sharded_chunk(
+    model, ids: torch.Tensor, t0: int, sharded: _Sharded, cache, stats: PrefillStats
+) -> torch.Tensor:
+    """One chunk through the model with channel-sharded block states; its final hidden states."""
+    res, lo, hi = sharded.res, sharded.lo, sharded.hi
+    tc = ids.shape[1]
+    cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
+    states = _BlockStates(model.embed(ids)[..., lo:hi].clone(), res, stats)  # b_0, local channels only
+    for l in range(res.n_layers):
+        h = sharded.gather(sharded.attend(l, states.sources()))
+        v = model.layers[l](model.norms[l](h), cos, sin, cache)
+        out = v[..., lo:hi].clone()
+        stats.transient_bytes = max(
+            stats.transient_bytes, (h.numel() + v.numel() + out.numel()) * h.element_size()
+        )
+        del h, v
+        states.add(l, out)
+        del out
+    final = sharded.attend(res.n_layers, states.sources())
+    return model.norm_f(sharded.gather(final))
+
+
+def _prefill_hidden(model, idx, group, chunk_size, last_only, max_len) -> PrefillResult:
+    """Block states sharded over the channels (see :func:`prefill`)."""
+    res = _check_model(model)
+    B, T = _check_idx(model, idx)
+    chunk = _check_chunk(T, chunk_size)
+    tp = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    d = res.d_model
+    if d % tp:
+        raise ValueError(f"sharded prefill: d_model={d} must split evenly over {tp} ranks")
+    lo, hi = rank * d // tp, (rank + 1) * d // tp
+    p = model.lm_head.weight
+    stats = PrefillStats(
+        tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo, element_size=p.element_size()
+    )
+    sharded = _Sharded(res, lo, hi, group, stats)
+    cache = model.new_cache(B, max_len=_check_max_len(model, T, max_len))
+    stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
+    n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
+    stats.formula_block_bytes = block_state_bytes(n_sources, B, stats.chunk_size, d, stats.element_size, tp)
+    logits_out = []
+    for t0 in range(0, T, chunk):
+        ids = idx[:, t0 : t0 + chunk]
+        tc = ids.shape[1]
+        hidden = _hidden_sharded_chunk(model, ids, t0, sharded, cache, stats)
+        if last_only:
+            hidden = hidden[:, -1:] if t0 + tc == T else None
+        if hidden is not None:
+            logits_out.append(model.lm_head(hidden))
+        cache.advance(tc)
+    return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
+
+
 @torch.no_grad()
 def prefill(
     model,
@@ -201,50 +256,7 @@ def prefill(
         raise ValueError(f"shard: expected one of {SHARDS}, got {shard!r}")
     if shard == "sequence":
         return _prefill_sequence(model, idx, group, chunk_size, last_only, max_len)
-    res = _check_model(model)
-    B, T = _check_idx(model, idx)
-    chunk = _check_chunk(T, chunk_size)
-    tp = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
-    d = res.d_model
-    if d % tp:
-        raise ValueError(f"sharded prefill: d_model={d} must split evenly over {tp} ranks")
-    lo, hi = rank * d // tp, (rank + 1) * d // tp
-    p = model.lm_head.weight
-    stats = PrefillStats(
-        tp=tp, rank=rank, batch=B, seq_len=T, chunk_size=chunk, d_shard=hi - lo, element_size=p.element_size()
-    )
-    sharded = _Sharded(res, lo, hi, group, stats)
-    cache = model.new_cache(B, max_len=_check_max_len(model, T, max_len))
-    stats.kv_cache_bytes = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
-    n_sources = 1 + res.n_layers // res.block_size + int(res.n_layers % res.block_size != 0)
-    stats.formula_block_bytes = block_state_bytes(n_sources, B, stats.chunk_size, d, stats.element_size, tp)
-    L = res.n_layers
-    logits_out = []
-    for t0 in range(0, T, chunk):
-        ids = idx[:, t0 : t0 + chunk]
-        tc = ids.shape[1]
-        cos, sin = model.rope_cos[t0 : t0 + tc], model.rope_sin[t0 : t0 + tc]
-        states = _BlockStates(model.embed(ids)[..., lo:hi].clone(), res, stats)  # b_0, local channels only
-        for l in range(L):
-            h = sharded.gather(sharded.attend(l, states.sources()))
-            v = model.layers[l](model.norms[l](h), cos, sin, cache)
-            out = v[..., lo:hi].clone()
-            stats.transient_bytes = max(
-                stats.transient_bytes, (h.numel() + v.numel() + out.numel()) * h.element_size()
-            )
-            del h, v
-            states.add(l, out)
-            del out
-        final = sharded.attend(L, states.sources())
-        hidden = model.norm_f(sharded.gather(final))
-        if last_only:
-            hidden = hidden[:, -1:] if t0 + tc == T else None
-        if hidden is not None:
-            logits_out.append(model.lm_head(hidden))
-        cache.advance(tc)
-        del states
-    return PrefillResult(torch.cat(logits_out, dim=1), cache, stats)
+    return _prefill_hidden(model, idx, group, chunk_size, last_only, max_len)
 
 
 def _prefill_sequence(model, idx, group, chunk_size, last_only, max_len) -> PrefillResult:

@@ -27,7 +27,7 @@ from ..commands import Parser, fail
 from ..model import GPT
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig
-from .data import BYTE_TOKENIZER
+from .data import BYTE_TOKENIZER, Corpus
 from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype
 from .run import CONFIG_FILE, RunError, checkpoint_check, load_run_checkpoint, log, read_run_record
 
@@ -72,6 +72,31 @@ def load_run(
     return model.to(resolve_device(device)).eval(), cfg, info
 
 
+def _check_eval_args(split: str, batches: int | None, batch_size: int | None) -> None:
+    if split not in ("val", "train"):
+        raise ValueError(f"split: expected 'val' or 'train', got {split!r}")
+    for name, value in (("batches", batches), ("batch_size", batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
+def _corpus_matches_run(corpus: Corpus, recorded: dict, *, warn: bool) -> bool:
+    """Whether the corpus is the run's: the same source, and (runs that recorded it) the same token
+    stream, so a cache rebuilt otherwise or another tokenization does not match; ``warn``: say so."""
+    matches = corpus.sha256 == recorded.get("sha256") and recorded.get("tokens_sha256") in (
+        None,
+        corpus.digest(),
+    )
+    if not matches and warn:
+        print(
+            f"warning: the corpus (sha256 {corpus.sha256[:12]}..., tokens {corpus.digest()[:12]}...) "
+            f"differs from the run's ({str(recorded.get('sha256'))[:12]}..., "
+            f"{str(recorded.get('tokens_sha256'))[:12]}...; another machine or Python?)",
+            file=sys.stderr,
+        )
+    return matches
+
+
 def evaluate_run(
     run_dir: str | Path,
     *,
@@ -86,11 +111,7 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Loss of a run's checkpoint on its validation (or training) split; a JSON-able dict.
     ``trust_remote_code`` lets the run's tokenizer folder run code of its own (off: refused)."""
-    if split not in ("val", "train"):
-        raise ValueError(f"split: expected 'val' or 'train', got {split!r}")
-    for name, value in (("batches", batches), ("batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    _check_eval_args(split, batches, batch_size)
     model, cfg, info = load_run(run_dir, checkpoint=checkpoint, device=device)
     recorded = info["record"].get("data", {})
     source = data if data is not None else cfg.data
@@ -99,19 +120,7 @@ def evaluate_run(
         dataclasses.replace(cfg, data=source, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
     )
     corpus.check_fits(cfg.model.seq_len)
-    # the same source, and (runs that recorded it) the same token stream: a cache rebuilt
-    # otherwise or another tokenization does not match
-    matches = corpus.sha256 == recorded.get("sha256") and recorded.get("tokens_sha256") in (
-        None,
-        corpus.digest(),
-    )
-    if not matches and data is None:
-        print(
-            f"warning: the corpus (sha256 {corpus.sha256[:12]}..., tokens {corpus.digest()[:12]}...) "
-            f"differs from the run's ({str(recorded.get('sha256'))[:12]}..., "
-            f"{str(recorded.get('tokens_sha256'))[:12]}...; another machine or Python?)",
-            file=sys.stderr,
-        )
+    matches = _corpus_matches_run(corpus, recorded, warn=data is None)
     n = batches or cfg.eval_batches
     bs = batch_size or cfg.batch_size
     dev = next(model.parameters()).device

@@ -352,46 +352,30 @@ def _placeholders(metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor
     return out
 
 
-def load_sharded(
-    folder: str | os.PathLike,
+def _verified_manifest(folder: Path, check_config: ConfigCheck | None) -> dict:
+    """The manifest, once every file verifies and the recorded identity passes ``check_config``."""
+    manifest = verify_sharded(folder)
+    if check_config is not None and manifest.get("config"):
+        diff = check_config(manifest["config"])
+        if diff:
+            raise CheckpointMismatchError(
+                f"checkpoint {folder} was written by another run: " + "; ".join(diff)
+            )
+    _read_metadata(folder / ".metadata")
+    return manifest
+
+
+def _set_loaded_state(
+    folder: Path,
+    state: dict[str, Any],
+    small: dict[str, Any],
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any | None = None,
-    restore_rng: bool = True,
-    check_config: ConfigCheck | None = None,
-) -> dict[str, Any]:
-    """Load a sharded checkpoint into ``model`` (plain or FSDP-sharded, any number of ranks) and
-    the optimizer / scheduler; returns ``{"step", "config", "extra", "path"}``. Nothing is loaded
-    unless every file verifies, the recorded identity passes ``check_config`` and every tensor fits."""
-    folder = Path(folder)
-
-    def checked() -> dict:
-        manifest = verify_sharded(folder)
-        if check_config is not None and manifest.get("config"):
-            diff = check_config(manifest["config"])
-            if diff:
-                raise CheckpointMismatchError(
-                    f"checkpoint {folder} was written by another run: " + "; ".join(diff)
-                )
-        _read_metadata(folder / ".metadata")
-        return manifest
-
-    manifest = _main_verdict(checked)
-    metadata = _read_metadata(folder / ".metadata")  # every rank: DCP plans its reads from it
-    model_sd, optim_sd = _optim_layout(optimizer, model)
-    state: dict[str, Any] = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd["state"]
-    expected = {**_flat("model", model_sd), **_flat("optim", state.get("optim", {}))}
-    _main_verdict(lambda: _check_fits(folder, metadata, expected))
-    small_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith("state/"))
-    state.update(_placeholders(metadata, small_keys))
-    try:
-        dcp.load(state, storage_reader=_SafeReader(folder))
-    except Exception as e:  # DCP wraps rank failures in its own exception types
-        raise CheckpointError(f"checkpoint {folder} could not be read: {type(e).__name__}: {e}") from None
-    small = unflatten_state(manifest["state"], {k: state[k] for k in small_keys})
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    restore_rng: bool,
+) -> None:
+    """Put the read tensors and small state into the model, optimizer, scheduler and RNGs."""
     options = StateDictOptions(strict=True, ignore_frozen_params=True)
     if optimizer is not None:
         if small.get("param_groups") is None:
@@ -408,6 +392,39 @@ def load_sharded(
         scheduler.load_state_dict(small["scheduler"])
     if restore_rng and small.get("rng") is not None:
         restore_rng_state(small["rng"])
+
+
+def load_sharded(
+    folder: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    restore_rng: bool = True,
+    check_config: ConfigCheck | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint into ``model`` (plain or FSDP-sharded, any number of ranks) and
+    the optimizer / scheduler; returns ``{"step", "config", "extra", "path"}``. Nothing is loaded
+    unless every file verifies, the recorded identity passes ``check_config`` and every tensor fits."""
+    folder = Path(folder)
+    manifest = _main_verdict(lambda: _verified_manifest(folder, check_config))
+    metadata = _read_metadata(folder / ".metadata")  # every rank: DCP plans its reads from it
+    model_sd, optim_sd = _optim_layout(optimizer, model)
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd["state"]
+    expected = {**_flat("model", model_sd), **_flat("optim", state.get("optim", {}))}
+    _main_verdict(lambda: _check_fits(folder, metadata, expected))
+    small_keys = sorted(k for k in metadata.state_dict_metadata if k.startswith("state/"))
+    state.update(_placeholders(metadata, small_keys))
+    try:
+        dcp.load(state, storage_reader=_SafeReader(folder))
+    except Exception as e:  # DCP wraps rank failures in its own exception types
+        raise CheckpointError(f"checkpoint {folder} could not be read: {type(e).__name__}: {e}") from None
+    small = unflatten_state(manifest["state"], {k: state[k] for k in small_keys})
+    _set_loaded_state(
+        folder, state, small, model=model, optimizer=optimizer, scheduler=scheduler, restore_rng=restore_rng
+    )
     return {
         "step": manifest["step"],
         "config": manifest["config"],
