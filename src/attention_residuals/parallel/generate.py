@@ -25,16 +25,10 @@ from ..model import GPT, check_sampling, sample_token
 from ..typed import check_number
 from .dist import guarded
 from .kv import ShardedKVCache
+from .prefill import applies as prefill_applies
 from .prefill import prefill
 
-__all__ = ["sharded_generate", "sharded_prefill_applies"]
-
-
-def sharded_prefill_applies(model: GPT) -> bool:
-    """Whether ``model`` takes the sequence-sharded block-state prefill (Block AttnRes, static
-    softmax queries) rather than the replicated prefill into the sharded KV cache."""
-    res = model.residual
-    return model.config.residual.rule == "block" and res.query_mode == "static" and res.normalize == "softmax"
+__all__ = ["sharded_generate"]
 
 
 @torch.no_grad()
@@ -61,9 +55,9 @@ def sharded_generate(
     check_number("chunk_size", chunk_size, integer=True, optional=True, ge=1)
     if chunk_size is not None and chunk_size % world:
         raise ValueError(f"chunk_size: expected a multiple of the {world} ranks, got {chunk_size}")
-    B, T = idx.shape if idx.ndim == 2 else (0, 0)
-    if idx.ndim != 2 or T < 1:
+    if idx.ndim != 2 or idx.shape[1] < 1:
         raise ValueError(f"idx: expected token ids of shape [B, T] with T >= 1, got {tuple(idx.shape)}")
+    T = idx.shape[1]
     if T + max_new_tokens > model.config.seq_len:
         raise ValueError(
             f"max_new_tokens: prompt ({T}) + {max_new_tokens} new tokens exceed seq_len={model.config.seq_len}"
@@ -92,7 +86,7 @@ def _prefill(
     """The last position's logits ``[B, vocab]`` and the filled sharded cache."""
     world = dist.get_world_size(group) if group is not None else 1
     T = idx.shape[1]
-    even = T - T % world if sharded_prefill_applies(model) else 0
+    even = T - T % world if prefill_applies(model) else 0
     if even:
         out = prefill(
             model, idx[:, :even], group=group, chunk_size=chunk_size, max_len=max_len, last_only=True

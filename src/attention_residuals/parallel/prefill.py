@@ -44,7 +44,7 @@ from ..model import CausalSelfAttention, KVCache
 from .dist import guarded
 from .kv import ShardedKVCache
 
-__all__ = ["SHARDS", "PrefillResult", "PrefillStats", "block_state_bytes", "prefill"]
+__all__ = ["SHARDS", "PrefillResult", "PrefillStats", "applies", "block_state_bytes", "prefill"]
 
 
 def block_state_bytes(
@@ -155,6 +155,12 @@ class _BlockStates:
         if (layer + 1) % self.res.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None
+
+
+def applies(model) -> bool:
+    """Whether ``model`` can take this prefill: Block AttnRes with static softmax queries."""
+    res = model.residual
+    return isinstance(res, BlockAttnRes) and res.query_mode == "static" and res.normalize == "softmax"
 
 
 def _check_model(model) -> BlockAttnRes:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from ..commands import Parser, fail
 from ..model import GPT, check_sampling
 from ..parallel import DistributedError, check_consistent, destroy_distributed, init_distributed
-from ..parallel.generate import sharded_generate, sharded_prefill_applies
+from ..parallel.generate import sharded_generate
+from ..parallel.prefill import applies as prefill_applies
 from ..typed import check_number
 from . import tokenizer as tok
 from .checkpoint import CheckpointError
@@ -265,9 +266,7 @@ def _schedule_line(model: GPT, tp: int) -> str:
     """Which exact schedule runs, for the log."""
     if tp == 1:
         return f"{model.inference_schedule()} prefill, KV-cache decode"
-    prefill = (
-        "sequence-sharded block-state prefill" if sharded_prefill_applies(model) else "replicated prefill"
-    )
+    prefill = "sequence-sharded block-state prefill" if prefill_applies(model) else "replicated prefill"
     return f"{prefill} over {tp} ranks, KV cache sharded by token"
 
 
