@@ -4,7 +4,9 @@
 * :mod:`.pipeline` — the pipeline layout and its traffic formulas.
 * :mod:`.pipelining` — pipeline parallel Block AttnRes on ``torch.distributed.pipelining`` (GPipe,
   1F1B, interleaved 1F1B) with the cross-stage block cache.
-* :mod:`.prefill` — hidden-dim sharded and sequence-chunked prefill of the block states.
+* :mod:`.prefill` — sequence- or hidden-dim sharded and chunked prefill of the block states.
+* :mod:`.kv`, :mod:`.generate` — context parallelism: a KV cache sharded by token, generation on it.
+* :mod:`.tp` — tensor-parallel inference: sharded sublayer weights and KV heads, depth state by token.
 * :mod:`.data_parallel` — the hooks of ``torchrun`` training: process group, DDP, batch slicing.
 * :mod:`.fsdp` — FSDP2 ``fully_shard`` of the GPT per sublayer, with a mixed-precision policy.
 """

@@ -1,6 +1,6 @@
 """Generation over ``P`` ranks: sharded prefill, then decoding with the KV cache sharded by token.
 
-``attnres sample --tp P`` under ``torchrun``. Every rank holds the whole model and runs the
+``attnres sample --cp P`` under ``torchrun`` (context parallelism). Every rank holds the whole model and runs the
 same loop; what is split is the memory that grows with the context:
 
 * **prefill**: Block AttnRes with static softmax queries takes the report's sequence-sharded

@@ -26,10 +26,10 @@ a KV cache (depth attention is per token, so a chunk never needs another chunk's
 sequence attention reads the cached keys and values). Block-state memory with either sharding:
 ``(N + 1) chunk d / P``.
 
-The layers' weights are replicated on every rank here (the depth-attention state is what this
-module shards; sharding ``f_l`` itself is ordinary Megatron tensor parallelism, under which the
-report's reduce-scatter / local merge / all-gather path replaces our slice and all-gather). :class:`PrefillStats` reports the bytes actually held (tracked on the live
-tensors) next to the closed form.
+The layers' weights are replicated on every rank here: this module shards only the depth state.
+:mod:`.tp` shards the weights too (Megatron tensor parallelism with the depth state split by
+token, the report's reduce-scatter / local merge / all-gather path). :class:`PrefillStats`
+reports the bytes actually held (tracked on the live tensors) next to the closed form.
 """
 
 from __future__ import annotations

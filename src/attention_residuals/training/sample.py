@@ -8,9 +8,13 @@ after checking that the folder still holds the very tokenizer the run was traine
 than the context holds, generation slides: the last half-context of tokens is kept as the
 prompt for the next stretch.
 
-``--tp N`` under ``torchrun --nproc-per-node N`` splits the memory that grows with the context
-over the ranks (``parallel.generate``): the sequence-sharded prefill of the block states (Block
-AttnRes) and a KV cache sharded by token; every rank holds the model, rank 0 prints.
+Under ``torchrun --nproc-per-node N`` (rank 0 prints):
+
+* ``--tp N``: tensor parallelism (``parallel.tp``, the report's section 4.2): each rank holds
+  ``1/N`` of every sublayer's weights (attention heads, MLP width) and of the KV cache (its
+  heads), and the depth state (block states) of ``1/N`` of the tokens; any rule.
+* ``--cp N``: context parallelism (``parallel.generate``): every rank holds the whole model; the
+  KV cache is sharded by token, and Block AttnRes takes the sequence-sharded block-state prefill.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..model import GPT, check_sampling
 from ..parallel import DistributedError, check_consistent, destroy_distributed, init_distributed
 from ..parallel.generate import sharded_generate
 from ..parallel.prefill import applies as prefill_applies
+from ..parallel.tp import TensorParallelGPT, tensor_parallel_generate
 from ..typed import check_number
 from . import tokenizer as tok
 from .checkpoint import CheckpointError
@@ -42,7 +47,7 @@ __all__ = ["generate_text", "run_codec", "main"]
 
 @torch.no_grad()
 def generate_text(
-    model: GPT,
+    model: GPT | TensorParallelGPT,
     prompt: str = "",
     *,
     max_new_tokens: int = 256,
@@ -58,9 +63,10 @@ def generate_text(
     """``num_samples`` continuations of ``prompt`` (the prompt included), as strings.
 
     ``temperature=0`` is greedy. The same seed gives the same samples. An empty prompt starts
-    from a newline. ``group``: generate over its ranks with the context's memory sharded
-    (:func:`~attention_residuals.parallel.generate.sharded_generate`, prefill chunks of
-    ``chunk_size`` tokens); every rank calls this alike and gets the same texts.
+    from a newline. A :class:`~attention_residuals.parallel.tp.TensorParallelGPT` generates over
+    its ranks; ``group`` (with a :class:`GPT`): over that group's ranks with the KV cache sharded
+    by token (:func:`~attention_residuals.parallel.generate.sharded_generate`). Either way every
+    rank calls this alike and gets the same texts; ``chunk_size``: prefill tokens per chunk.
     """
     check_number("max_new_tokens", max_new_tokens, integer=True, ge=0)
     check_sampling(temperature, top_k)
@@ -79,7 +85,17 @@ def generate_text(
             keep = max(1, ctx // 2) if seqs.shape[1] >= ctx else min(seqs.shape[1], ctx - 1)
             step = min(remaining, ctx - keep)
             window = seqs[:, -keep:]
-            if group is None:
+            if isinstance(model, TensorParallelGPT):
+                grown, _ = tensor_parallel_generate(
+                    model,
+                    window,
+                    step,
+                    temperature=temperature,
+                    top_k=top_k,
+                    generator=gen,
+                    chunk_size=chunk_size,
+                )
+            elif group is None:
                 grown = model.generate(window, step, temperature=temperature, top_k=top_k, generator=gen)
             else:
                 grown, _ = sharded_generate(
@@ -177,20 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="auto",
-        help="cpu, cuda, cuda:N or auto (default: auto; with --tp: cuda:LOCAL_RANK under NCCL, else cpu)",
+        help="cpu, cuda, cuda:N or auto (default: auto; with --tp/--cp: cuda:LOCAL_RANK under NCCL, else cpu)",
     )
     p.add_argument(
         "--tp",
         type=int,
         default=1,
-        help="ranks to shard the context's memory over, under torchrun --nproc-per-node TP: sequence-"
-        "sharded prefill (Block AttnRes) and a KV cache split by token (default: 1)",
+        help="tensor-parallel ranks, under torchrun --nproc-per-node TP: layer weights and KV cache split "
+        "by head, depth state (block states) by token (default: 1)",
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks, under torchrun --nproc-per-node CP: whole model on every rank, KV "
+        "cache split by token, sequence-sharded block-state prefill for Block AttnRes (default: 1)",
     )
     p.add_argument(
         "--prefill-chunk",
         type=int,
         default=None,
-        help="with --tp: prefill tokens per chunk, a multiple of TP (default: the whole prompt)",
+        help="with --tp or --cp: prefill tokens per chunk (with --cp a multiple of CP; default: the whole prompt)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list of strings")
     add_trust_flag(p)
@@ -207,18 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         ("--num-samples", args.num_samples, 1, ""),
         ("--seed", args.seed, 0, ""),
         ("--tp", args.tp, 1, ""),
-        ("--prefill-chunk", args.prefill_chunk if args.prefill_chunk is not None else args.tp, args.tp, ""),
+        ("--cp", args.cp, 1, ""),
+        ("--prefill-chunk", args.prefill_chunk if args.prefill_chunk is not None else args.cp, args.cp, ""),
     ):
         if not (math.isfinite(value) and value >= low):
             parser.error(f"{flag}: expected >= {low}{note}, got {value}")
-    if args.prefill_chunk is not None and args.prefill_chunk % args.tp:
-        parser.error(f"--prefill-chunk: expected a multiple of --tp {args.tp}, got {args.prefill_chunk}")
+    if args.tp > 1 and args.cp > 1:
+        parser.error(f"--tp {args.tp} and --cp {args.cp}: one kind of parallelism at a time")
+    if args.prefill_chunk is not None and args.prefill_chunk % args.cp:
+        parser.error(f"--prefill-chunk: expected a multiple of --cp {args.cp}, got {args.prefill_chunk}")
+    ranks = max(args.tp, args.cp)
     try:
-        texts = _sample(args)
+        texts = _sample(args, ranks)
     except (ValueError, OSError, CheckpointError, DistributedError) as e:
         return fail("attnres sample", e)
     finally:
-        if args.tp > 1:
+        if ranks > 1:
             destroy_distributed()
     if texts is None:  # not rank 0
         return 0
@@ -229,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _sample(args: argparse.Namespace) -> list[str] | None:
+def _sample(args: argparse.Namespace, ranks: int) -> list[str] | None:
     """Load the run, generate, and return the texts (``None`` on ranks other than 0)."""
     group, device, env = None, args.device, None
-    if args.tp > 1:
-        env = init_distributed(expected_world_size=args.tp)
+    if ranks > 1:
+        env = init_distributed(expected_world_size=ranks)
         group = dist.group.WORLD
         device = str(env.device()) if args.device == "auto" else args.device
         check_consistent(
@@ -244,7 +271,9 @@ def _sample(args: argparse.Namespace) -> list[str] | None:
     device = next(model.parameters()).device
     dtype = resolve_dtype(cfg.dtype, device)  # the precision the run trained in
     if env is None or env.is_main:
-        print(f"attnres sample: {_schedule_line(model, args.tp)}, {dtype}", file=sys.stderr)
+        print(f"attnres sample: {_schedule_line(model, args.tp, args.cp)}, {dtype}", file=sys.stderr)
+    if args.tp > 1:
+        model, group = TensorParallelGPT(model, group), None  # the full sublayer weights are freed
     with autocast(device, dtype):
         texts = generate_text(
             model,
@@ -262,12 +291,17 @@ def _sample(args: argparse.Namespace) -> list[str] | None:
     return texts if env is None or env.is_main else None
 
 
-def _schedule_line(model: GPT, tp: int) -> str:
+def _schedule_line(model: GPT, tp: int, cp: int) -> str:
     """Which exact schedule runs, for the log."""
-    if tp == 1:
+    if tp > 1:
+        return (
+            f"tensor-parallel over {tp} ranks (layer weights and KV cache split by head, depth state by "
+            f"token), {model.inference_schedule()} depth mixing"
+        )
+    if cp == 1:
         return f"{model.inference_schedule()} prefill, KV-cache decode"
     prefill = "sequence-sharded block-state prefill" if prefill_applies(model) else "replicated prefill"
-    return f"{prefill} over {tp} ranks, KV cache sharded by token"
+    return f"context-parallel over {cp} ranks: {prefill}, KV cache sharded by token"
 
 
 if __name__ == "__main__":

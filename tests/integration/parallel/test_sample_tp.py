@@ -1,4 +1,4 @@
-"""`attnres sample --tp N` under a launcher: the same text as one process, context memory sharded."""
+"""`attnres sample --tp N` / `--cp N` under a launcher: the same text as one process."""
 
 from __future__ import annotations
 
@@ -46,26 +46,34 @@ def _sample(rank, world, argv):
 
 
 @pytest.mark.parametrize("prompt, chunk", [("def g1(", None), ("return y", ["--prefill-chunk", "4"])])
-def test_sample_tp_prints_what_one_process_prints(run, prompt, chunk):
+@pytest.mark.parametrize("kind", ["--tp", "--cp"])
+def test_sample_parallel_prints_what_one_process_prints(run, prompt, chunk, kind):
     argv = [str(run), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0", "--json"]
     rc, alone, _ = _sample(0, 1, argv)
     assert rc == 0
-    results = spawn(_sample, 2, argv + ["--tp", "2"] + (chunk or []), timeout_s=120, launcher=True)
+    results = spawn(_sample, 2, argv + [kind, "2"] + (chunk or []), timeout_s=120, launcher=True)
     (rc0, out0, err0), (rc1, out1, _) = results
     assert rc0 == rc1 == 0 and out1 == ""  # rank 0 prints
     assert json.loads(out0) == json.loads(alone)
-    kind = "sequence-sharded block-state prefill" if run.name == "block" else "replicated prefill"
-    assert f"{kind} over 2 ranks, KV cache sharded by token" in err0
+    if kind == "--tp":
+        assert "tensor-parallel over 2 ranks (layer weights and KV cache split by head" in err0
+    else:
+        prefill = "sequence-sharded block-state prefill" if run.name == "block" else "replicated prefill"
+        assert f"context-parallel over 2 ranks: {prefill}, KV cache sharded by token" in err0
 
 
 def test_sample_tp_refuses_what_cannot_run(run, capsys):
-    assert sample_main([str(run), "--tp", "2"]) == 2  # not launched
-    err = capsys.readouterr().err
-    assert "needs world_size=2" in err and "torchrun --nproc-per-node 2" in err
+    for kind in ("--tp", "--cp"):
+        assert sample_main([str(run), kind, "2"]) == 2  # not launched
+        err = capsys.readouterr().err
+        assert "needs world_size=2" in err and "torchrun --nproc-per-node 2" in err
     for argv, message in (
         (["--tp", "0"], "--tp: expected >= 1"),
-        (["--tp", "2", "--prefill-chunk", "3"], "--prefill-chunk: expected a multiple of --tp 2"),
-        (["--tp", "2", "--prefill-chunk", "1"], "--prefill-chunk: expected >= 2"),
+        (["--cp", "0"], "--cp: expected >= 1"),
+        (["--tp", "2", "--cp", "2"], "--tp 2 and --cp 2: one kind of parallelism at a time"),
+        (["--cp", "2", "--prefill-chunk", "3"], "--prefill-chunk: expected a multiple of --cp 2"),
+        (["--cp", "2", "--prefill-chunk", "1"], "--prefill-chunk: expected >= 2"),
+        (["--tp", "2", "--prefill-chunk", "0"], "--prefill-chunk: expected >= 1"),
     ):
         with pytest.raises(SystemExit) as exc:
             sample_main([str(run)] + argv)
