@@ -13,6 +13,11 @@ by any launcher that sets ``RANK`` / ``WORLD_SIZE``) makes :func:`setup` create 
   gradients: with equal shards the average of the ranks' mean losses is the global mean, so
   losses and updates equal the single-process run's to float tolerance. Gradient accumulation
   skips the all-reduce on all but the last micro-batch (:func:`sync_context`).
+* with ``--pp-stages P`` on ``W = D * P`` ranks the ranks form the 2-D mesh ``("dp", "pp")``
+  (:func:`pipeline_mesh`): ``D`` replicas of a ``P``-stage pipeline, replica ``r`` on ranks
+  ``r P .. r P + P - 1``. Each replica reads ``batch_size / D`` rows; after the schedule, each
+  stage's gradients are averaged over its ``D`` copies (:func:`average_gradients`: DDP's
+  all-reduce, as one flat bucket, for modules a pipeline schedule runs).
 * the logged loss is the mean over ranks (:func:`mean`); only rank 0 writes the run directory
   (config, metrics, checkpoints, summary: saved once); every rank reads the checkpoint to resume.
   With ``--fsdp`` the model is sharded instead of wrapped (:mod:`.fsdp`) and every rank writes its
@@ -27,12 +32,14 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from .dist import DistEnv, destroy_distributed, guarded, init_distributed, launcher_env
 from .fsdp import is_sharded, sync_gradients
 
 __all__ = [
+    "average_gradients",
     "barrier",
     "device_for",
     "from_main",
@@ -40,6 +47,7 @@ __all__ = [
     "local_batch",
     "main_first",
     "mean",
+    "pipeline_mesh",
     "setup",
     "sync_context",
     "teardown",
@@ -81,14 +89,40 @@ def device_for(env: DistEnv, resolved: torch.device) -> torch.device:
     return resolved
 
 
-def local_batch(batch_size: int, env: DistEnv) -> int:
-    """This rank's rows of the global micro-batch ``batch_size`` (must divide evenly)."""
-    if batch_size % env.world_size:
+def local_batch(batch_size: int, replicas: int) -> int:
+    """This rank's rows of the global micro-batch ``batch_size`` over ``replicas`` data-parallel
+    ranks (must divide evenly)."""
+    if batch_size % replicas:
         raise ValueError(
             f"batch_size: the global batch of {batch_size} sequences does not split over "
-            f"world_size={env.world_size} data-parallel ranks; use a multiple of {env.world_size}"
+            f"{replicas} data-parallel ranks; use a multiple of {replicas}"
         )
-    return batch_size // env.world_size
+    return batch_size // replicas
+
+
+def pipeline_mesh(env: DistEnv, stages: int, device_type: str) -> DeviceMesh:
+    """The mesh ``("dp", "pp")`` of shape ``(world / stages, stages)``: rank ``r`` is stage
+    ``r % stages`` of replica ``r // stages`` (a collective: every rank calls it)."""
+    with guarded("creating the (dp, pp) device mesh"):
+        mesh = init_device_mesh(device_type, (env.world_size // stages, stages), mesh_dim_names=("dp", "pp"))
+    assert mesh.get_local_rank("dp") == env.rank // stages  # the layout data slicing assumes
+    return mesh
+
+
+def average_gradients(params: list[torch.nn.Parameter], group) -> None:
+    """Average ``params``' gradients over ``group`` in one all-reduce (a missing gradient counts
+    as zero, as in DDP); every rank of ``group`` passes the same parameter list."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    with guarded("data-parallel all-reduce of the pipeline stages' gradients"):
+        dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
 
 
 def wrap(model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
@@ -111,14 +145,16 @@ def sync_context(net: torch.nn.Module, sync: bool):
     return net.no_sync()
 
 
-def mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """The mean of ``value`` over the ranks (the value itself for a single process)."""
-    if env.world_size == 1:
+def mean(value: torch.Tensor, env: DistEnv, group=None) -> torch.Tensor:
+    """The mean of ``value`` over the ranks of ``group`` (default: all; the value itself for a
+    single process)."""
+    size = dist.get_world_size(group) if env.world_size > 1 else 1
+    if size == 1:
         return value
     out = value.detach().clone().float()
     with guarded("all-reduce of the training loss"):
-        dist.all_reduce(out)
-    return out / env.world_size
+        dist.all_reduce(out, group=group)
+    return out / size
 
 
 def barrier(env: DistEnv) -> None:

@@ -156,8 +156,9 @@ class TrainConfig:
     )
     pp_stages: int = _rc(
         1,
-        "under torchrun with this many ranks: pipeline parallel (Block AttnRes; torch.distributed."
-        "pipelining with the cross-stage block cache; sharded checkpoints)",
+        "pipeline stages, under torchrun with a multiple of this many ranks: pipeline parallel (Block "
+        "AttnRes; torch.distributed.pipelining with the cross-stage block cache; sharded checkpoints), "
+        "world_size / pp_stages data-parallel replicas on a (dp, pp) DeviceMesh",
         ge=1,
     )
     pp_schedule: str = _rc(

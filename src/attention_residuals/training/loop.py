@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm.auto import tqdm
 
 from ..files import open_append
@@ -165,6 +166,7 @@ class RunContext:
     corpus: Corpus
     identity: dict  # what a resume must match (config identity + corpus)
     micro_batch: int  # this rank's rows of each global micro-batch
+    mesh: DeviceMesh | None = None  # --pp-stages: ("dp", "pp"), made once the ranks agree on the config
 
     @property
     def out(self) -> Path:
@@ -176,9 +178,14 @@ class RunContext:
 
     @property
     def data_ranks(self) -> tuple[int, int]:
-        """``(rank, world size)`` of the data-parallel dimension: every rank of a pipeline reads
-        the same batch (the first stage its ids, the last its targets)."""
-        return (0, 1) if self.cfg.pp_stages > 1 else (self.env.rank, self.env.world_size)
+        """``(rank, world size)`` of the data-parallel dimension: every rank of a pipeline
+        replica reads the same rows (the first stage its ids, the last its targets)."""
+        P = self.cfg.pp_stages
+        return (self.env.rank // P, self.env.world_size // P)
+
+    def group(self, dim: str):
+        """The process group of mesh dimension ``dim`` (``None``: no mesh, the default group)."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
 
     @property
     def sharded(self) -> bool:
@@ -207,12 +214,19 @@ def make_context(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> RunCo
             f"(pass --vocab-size {corpus.vocab_size})"
         )
     corpus.check_fits(cfg.model.seq_len)
-    if cfg.pp_stages > 1 and env.world_size != cfg.pp_stages:
+    P = cfg.pp_stages
+    if env.world_size % P:
         raise ValueError(
-            f"pp_stages: {cfg.pp_stages} pipeline stages need {cfg.pp_stages} ranks (one each), "
-            f"the job has world_size={env.world_size}; run torchrun --nproc-per-node {cfg.pp_stages}"
+            f"pp_stages: {P} pipeline stages need a multiple of {P} ranks (world_size / pp_stages "
+            f"data-parallel replicas of the pipeline), the job has world_size={env.world_size}; "
+            f"run torchrun --nproc-per-node {P} (or {2 * P}, ...)"
         )
-    micro_batch = cfg.batch_size if cfg.pp_stages > 1 else _dp.local_batch(cfg.batch_size, env)
+    micro_batch = _dp.local_batch(cfg.batch_size, env.world_size // P)
+    if P > 1 and micro_batch % cfg.pipeline_microbatches:
+        raise ValueError(
+            f"pp_microbatches: {cfg.pipeline_microbatches} does not divide a replica's micro-batch of "
+            f"{micro_batch} (batch_size={cfg.batch_size} over {env.world_size // P} replicas)"
+        )
     return RunContext(cfg, env, device, corpus, run_identity(cfg, corpus.info()), micro_batch)
 
 
@@ -295,9 +309,10 @@ class TrainState:
         return rate
 
 
-def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
+def build_state(cfg: TrainConfig, device: torch.device, pp_group=None) -> TrainState:
     """A freshly initialised model (seeded by ``cfg.seed``; with ``--fsdp`` sharded over the
-    ranks before the optimizer sees its parameters), its optimizer and its schedule."""
+    ranks before the optimizer sees its parameters; with ``--pp-stages`` cut into the stages of
+    ``pp_group``), its optimizer and its schedule."""
     seed_everything(cfg.seed)
     model = GPT(cfg.model).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
@@ -311,6 +326,7 @@ def build_state(cfg: TrainConfig, device: torch.device) -> TrainState:
             schedule=cfg.pp_schedule,
             scheme="cached",
             microbatches=cfg.pipeline_microbatches,
+            group=pp_group,
         )
     optimizer = build_optimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
@@ -360,7 +376,10 @@ def backward(
     A, last = ctx.cfg.grad_accum, micro == ctx.cfg.grad_accum - 1
     if state.pp is not None:  # the schedule runs the pipeline's own microbatches
         with autocast(ctx.device, ctx.cfg.dtype):
-            return state.pp.step(x, y, scale=1.0 / A, sync=last)
+            loss = state.pp.step(x, y, scale=1.0 / A, sync=last)
+        if last:  # the replicas of each stage average their gradients
+            _dp.average_gradients(state.pp.parameters(), ctx.group("dp"))
+        return loss
     with _dp.sync_context(state.net, last):  # DDP / FSDP: reduce on the last micro-batch only
         with autocast(ctx.device, ctx.cfg.dtype):
             _, loss = state.net(x, y)
@@ -390,7 +409,8 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         state.optimizer.step()
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
-    mean_loss = float(loss_sum if state.pp is not None else _dp.mean(loss_sum, ctx.env)) / cfg.grad_accum
+    # a pipeline's ranks all hold their replica's loss: the mean over the replicas
+    mean_loss = float(_dp.mean(loss_sum, ctx.env, ctx.group("dp"))) / cfg.grad_accum
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0
@@ -700,8 +720,10 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     if plan.finished is not None:
         return plan.finished
     _dp.barrier(env)  # every rank has decided before rank 0 touches the run directory
+    if cfg.pp_stages > 1:
+        ctx = dataclasses.replace(ctx, mesh=_dp.pipeline_mesh(env, cfg.pp_stages, ctx.device.type))
     # built before any file is deleted: a model that fails to build loses nothing
-    state = build_state(cfg, ctx.device)
+    state = build_state(cfg, ctx.device, ctx.group("pp"))
     if plan.clear and ctx.is_main:
         clear_run(ctx.out)
     if plan.resume:

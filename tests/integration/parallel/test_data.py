@@ -138,7 +138,7 @@ def test_attnres_train_detects_the_launcher(tmp_path, single):
 
 
 def test_batch_must_split_over_ranks(tmp_path):
-    with pytest.raises(DistributedError, match="does not split over world_size=3"):
+    with pytest.raises(DistributedError, match="does not split over 3 data-parallel ranks"):
         spawn(_train, 3, str(tmp_path / "bad"), {}, timeout_s=60)
 
 

@@ -320,17 +320,19 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
 @pytest.mark.parametrize(
     "world, pp",
     [
-        (2, {"pp_schedule": "1f1b"}),
-        (2, {"pp_schedule": "interleaved", "pp_virtual": 2}),
-        (4, {"pp_schedule": "gpipe"}),
+        (2, {"pp_stages": 2, "pp_schedule": "1f1b"}),
+        (2, {"pp_stages": 2, "pp_schedule": "interleaved", "pp_virtual": 2}),
+        (4, {"pp_stages": 4, "pp_schedule": "gpipe"}),
+        (4, {"pp_stages": 2, "pp_schedule": "1f1b"}),
     ],
-    ids=["2x1f1b", "2x2-interleaved", "4xgpipe"],
+    ids=["2x1f1b", "2x2-interleaved", "4xgpipe", "dp2xpp2-1f1b"],
 )
 def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
     """``--pp-stages`` (gradient accumulation over 2 micro-batches, each split into pipeline
-    microbatches; the cross-stage cache on): losses, gradient norms and weights equal one process."""
+    microbatches; the cross-stage cache on), alone or replicated over a data-parallel mesh
+    dimension: losses, gradient norms and weights equal one process."""
     out = tmp_path / "pp"
-    finals = spawn(_train, world, str(out), {"pp_stages": world, **pp}, timeout_s=180)
+    finals = spawn(_train, world, str(out), pp, timeout_s=180)
     assert len(set(finals)) == 1
     assert_same_losses(out, single)
     norms = [[r.get("grad_norm") for r in read_metrics(run)] for run in (out, single)]
@@ -340,9 +342,9 @@ def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
 
 
 def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
-    """Pipeline on 2 ranks to step 3, FSDP on 2 ranks to step 5, one process to the end."""
+    """2 replicas of a 2-stage pipeline to step 3, FSDP on 2 ranks to step 5, one process to the end."""
     out = tmp_path / "run"
-    spawn(_train, 2, str(out), {"pp_stages": 2, "stop_at": 3}, timeout_s=180)
+    spawn(_train, 4, str(out), {"pp_stages": 2, "stop_at": 3}, timeout_s=180)
     spawn(_train, 2, str(out), {"fsdp": True, "stop_at": 5, "resume": True}, timeout_s=180)
     train(tiny(out, resume=True), corpus=corpus())
     assert_same_losses(out, single)
@@ -366,6 +368,13 @@ def test_bad_pipeline_options_are_named_before_anything_is_written(tmp_path, kw,
     assert not (tmp_path / "run").exists()
 
 
-def test_pipeline_stages_must_match_the_world_size(tmp_path):
-    with pytest.raises(DistributedError, match=re.escape("pp_stages: 4 pipeline stages need 4 ranks")):
+def test_pipeline_stages_must_divide_the_world_size(tmp_path):
+    with pytest.raises(
+        DistributedError, match=re.escape("pp_stages: 4 pipeline stages need a multiple of 4 ranks")
+    ):
         spawn(_train, 2, str(tmp_path / "run"), {"pp_stages": 4}, timeout_s=60)
+    with pytest.raises(
+        DistributedError, match=re.escape("pp_microbatches: 4 does not divide a replica's micro-batch of 2")
+    ):
+        spawn(_train, 4, str(tmp_path / "run"), {"pp_stages": 2, "pp_microbatches": 4}, timeout_s=60)
+    assert not (tmp_path / "run").exists()
