@@ -91,10 +91,14 @@ def single(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("extra", [{}, {"activation_checkpointing": True}], ids=["plain", "recompute"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"activation_checkpointing": True}, {"compile": True}],
+    ids=["plain", "recompute", "compile"],
+)
 def test_fsdp_equals_single_process(tmp_path, single, extra):
     """2 ranks, FSDP2 per sublayer, gradient accumulation over 2 micro-batches (and with every
-    sublayer recomputed in backward): losses, gradients (through the updates they make) and final
+    sublayer recomputed in backward, or the model compiled by inductor): losses, gradients (through the updates they make) and final
     weights equal the single-process run's."""
     out = tmp_path / "fsdp"
     finals = spawn(_train, 2, str(out), {"fsdp": True, **extra}, timeout_s=180)
