@@ -27,14 +27,16 @@ float32 statistics follow the same contract as the unsharded run.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..model import GPT
 from .dist import guarded
 
-__all__ = ["is_sharded", "precision_policy", "shard_model", "sync_gradients"]
+__all__ = ["is_sharded", "precision_policy", "shard_model", "shard_units", "sync_gradients"]
 
 
 def precision_policy(dtype: str) -> MixedPrecisionPolicy:
@@ -44,17 +46,31 @@ def precision_policy(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
 
 
+def shard_units(
+    root: torch.nn.Module,
+    layers: Iterable[torch.nn.Module],
+    dtype: str = "float32",
+    *,
+    mesh: DeviceMesh | None = None,
+    ignored: set[torch.nn.Parameter] | None = None,
+) -> None:
+    """One FSDP2 group per sublayer of ``layers`` (resharded after its forward), the rest of
+    ``root`` in the root group (kept gathered until the backward ends), over ``mesh`` (default:
+    every rank); ``ignored`` parameters stay whole on every rank (their gradients not reduced)."""
+    policy = precision_policy(dtype)
+    with guarded("FSDP2 sharding (fully_shard)"):
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=ignored)
+
+
 def shard_model(model: GPT, dtype: str = "float32") -> GPT:
     """Shard ``model`` in place over the default process group (one group per sublayer, the rest
     at the root, see the module docstring); returns it. Build the optimizer *after* this call:
     its parameters are the ``DTensor`` shards."""
     if not isinstance(model, GPT):
         raise TypeError(f"model: --fsdp shards the bundled GPT, got {type(model).__name__}")
-    policy = precision_policy(dtype)
-    with guarded("FSDP2 sharding (fully_shard)"):
-        for layer in model.layers:
-            fully_shard(layer, mp_policy=policy, reshard_after_forward=True)
-        fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    shard_units(model, model.layers, dtype)
     return model
 
 

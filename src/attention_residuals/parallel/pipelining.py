@@ -31,6 +31,16 @@ accumulates the blocks' gradient into the leaves; chunk ``c - P`` reads its bloc
 The depth-attention parameters (every sublayer's pseudo-query and key norm live in one module) and
 a tied embedding are used by several ranks: :meth:`PipelinedGPT.sync_shared_grads` sums their
 gradients over the pipeline group after the schedule ran.
+
+FSDP on the data-parallel dimension (``shard_mesh``). Each chunk is sharded over the replicas of
+its stage as :mod:`.fsdp` shards a whole model (a group per sublayer, the chunk's embedding,
+norms and head in its root group); ``PipelineStage`` defers the reduce-scatter to the end of the
+schedule. The depth-mixing module stays whole on every rank (``ignored_params``: the two chunks
+of an interleaved rank share it, and it is a few vectors per sublayer); its gradients are summed
+over the pipeline here and averaged over the replicas by the caller
+(:meth:`PipelinedGPT.replicated_parameters`). A tied embedding is sharded like the others on the
+ranks of the first and last chunk, whose shards line up, so their gradients are summed shard by
+shard.
 """
 
 from __future__ import annotations
@@ -42,11 +52,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
 
 from ..connections import BlockAttnRes, ResidualState
 from ..model import GPT
 from .dist import DistributedError, guarded
+from .fsdp import shard_units
 from .pipeline import PipelineLayout
 
 __all__ = ["PP_SCHEDULES", "PP_SCHEMES", "PipelinedGPT", "StageModule"]
@@ -140,6 +153,21 @@ class StageModule(nn.Module):
         return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its shard for a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_shape(shape: torch.Size, mesh: DeviceMesh | None) -> torch.Size:
+    """The shape of this rank's FSDP2 shard of a ``shape`` parameter (dim 0 chunked over ``mesh``,
+    as ``torch.chunk`` splits it)."""
+    if mesh is None:
+        return shape
+    rows = torch.empty(shape[0], device="meta").chunk(mesh.size())
+    r = mesh.get_local_rank()
+    return torch.Size((rows[r].shape[0] if r < len(rows) else 0, *shape[1:]))
+
+
 def _check_options(model: GPT, virtual: int, schedule: str, scheme: str) -> None:
     """The options :class:`PipelinedGPT` refuses by name, then a missing process group."""
     if schedule not in PP_SCHEDULES:
@@ -183,6 +211,8 @@ class PipelinedGPT:
         scheme: str = "cached",
         microbatches: int = 2,
         group=None,
+        shard_mesh: DeviceMesh | None = None,
+        dtype: str = "float32",
     ) -> None:
         _check_options(model, virtual, schedule, scheme)
         stages = dist.get_world_size(group)
@@ -200,6 +230,9 @@ class PipelinedGPT:
         self.modules = [
             StageModule(model, self.layout, c, scheme, self._shared) for c in self.layout.chunks_of(self.rank)
         ]
+        self.shard_mesh = shard_mesh
+        if shard_mesh is not None:
+            self._shard(model, shard_mesh, dtype)
         self.stages = [
             PipelineStage(m, c, self.layout.chunks, device, group=group)
             for m, c in zip(self.modules, self.layout.chunks_of(self.rank), strict=True)
@@ -213,11 +246,22 @@ class PipelinedGPT:
         # depth-mixing one) twice, and could not leave gradients accumulated by earlier calls alone
         self._scale = 1.0
         self.schedule = kind(target, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
-        self._tied_shape = model.lm_head.weight.shape if model.config.tie_embeddings else None
+        tied = model.lm_head.weight.shape if model.config.tie_embeddings else None
+        self._tied_shape = _shard_shape(tied, shard_mesh) if tied is not None else None
         owned = {id(p) for p in self.parameters()}
         for p in model.parameters():  # the other ranks' chunks: not trained, not checkpointed here
             if id(p) not in owned:
                 p.requires_grad_(False)
+
+    def _shard(self, model: GPT, mesh: DeviceMesh, dtype: str) -> None:
+        """FSDP2 over ``mesh`` for each chunk of this rank (see the module docstring)."""
+        for m in self.modules:
+            shard_units(m, m.layers, dtype, mesh=mesh, ignored=set(model.residual.parameters()))
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters that are whole on every replica of its stage (all of them
+        without ``shard_mesh``): the caller averages their gradients over the replicas."""
+        return [p for p in self.parameters() if not isinstance(p, DTensor)]
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's chunks (give these to its optimizer), each once."""
@@ -248,7 +292,9 @@ class PipelinedGPT:
         flat = torch.cat(
             [
                 (
-                    p.grad if p is not None and p.grad is not None else torch.zeros(shape, device=device)
+                    _local(p.grad)
+                    if p is not None and p.grad is not None
+                    else torch.zeros(shape, device=device)
                 ).flatten()
                 for p, shape in shared
             ]
@@ -259,7 +305,10 @@ class PipelinedGPT:
         for p, shape in shared:
             n = shape.numel()
             if p is not None:
-                p.grad = flat[offset : offset + n].view(shape).clone()
+                grad = flat[offset : offset + n].view(shape).clone()
+                p.grad = (
+                    DTensor.from_local(grad, p.device_mesh, p.placements) if isinstance(p, DTensor) else grad
+                )
             offset += n
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -324,14 +373,22 @@ class PipelinedGPT:
             shared = {id(p) for p, _ in self._shared_parameters() if p is not None}
             counted = [p for p in counted if id(p) not in shared]
         device = self.modules[0].rope_cos.device
-        sq = sum((p.grad.detach().float().pow(2).sum() for p in counted), torch.zeros((), device=device))
+        # [sharded over the replicas, whole on each]: both summed over the stages, the first over
+        # the replicas too
+        sq = torch.zeros(2, device=device)
+        for p in counted:
+            sq[int(not isinstance(p, DTensor))] += _local(p.grad).detach().float().pow(2).sum()
         with guarded("all-reduce of the gradient norm"):
             dist.all_reduce(sq, group=self.group)
-        total = sq.sqrt()
+            if self.shard_mesh is not None:
+                dist.all_reduce(sq[0], group=self.shard_mesh.get_group())
+        total = sq.sum().sqrt()
         if max_norm and max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(
-                [p for p in self.parameters() if p.grad is not None], max_norm, total
-            )
+            for sharded in (True, False):  # foreach kernels take one tensor kind at a time
+                grads = [
+                    p for p in self.parameters() if p.grad is not None and isinstance(p, DTensor) == sharded
+                ]
+                torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
     def sent_elements(self) -> dict[int, int]:

@@ -151,8 +151,8 @@ class TrainConfig:
     fsdp: bool = _rc(
         False,
         "under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2 "
-        "fully_shard per sublayer) and save sharded checkpoints (torch.distributed.checkpoint); "
-        "without it: DDP",
+        "fully_shard per sublayer; with --pp-stages: each stage over its data-parallel copies) and "
+        "save sharded checkpoints (torch.distributed.checkpoint); without it: DDP",
     )
     pp_stages: int = _rc(
         1,
@@ -255,7 +255,7 @@ def _check_pipeline_options(cfg: TrainConfig) -> None:
         raise ValueError(
             f"pp_stages: pipelining carries Block AttnRes states; got residual={cfg.model.residual.rule!r}"
         )
-    for flag in ("fsdp", "compile", "activation_checkpointing"):
+    for flag in ("compile", "activation_checkpointing"):
         if getattr(cfg, flag):
             raise ValueError(f"{flag}: not combined with pp_stages > 1 yet")
     if cfg.dtype == "float16":

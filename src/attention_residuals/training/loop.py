@@ -309,14 +309,15 @@ class TrainState:
         return rate
 
 
-def build_state(cfg: TrainConfig, device: torch.device, pp_group=None) -> TrainState:
+def build_state(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None = None) -> TrainState:
     """A freshly initialised model (seeded by ``cfg.seed``; with ``--fsdp`` sharded over the
     ranks before the optimizer sees its parameters; with ``--pp-stages`` cut into the stages of
-    ``pp_group``), its optimizer and its schedule."""
+    ``mesh``'s pp dimension, and with ``--fsdp`` too each stage sharded over its dp dimension),
+    its optimizer and its schedule."""
     seed_everything(cfg.seed)
     model = GPT(cfg.model).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.fsdp:
+    if cfg.fsdp and cfg.pp_stages == 1:
         shard_model(model, cfg.dtype)
     pp = None
     if cfg.pp_stages > 1:  # before the optimizer: it takes only this rank's (unfrozen) parameters
@@ -326,7 +327,9 @@ def build_state(cfg: TrainConfig, device: torch.device, pp_group=None) -> TrainS
             schedule=cfg.pp_schedule,
             scheme="cached",
             microbatches=cfg.pipeline_microbatches,
-            group=pp_group,
+            group=mesh.get_group("pp") if mesh is not None else None,
+            shard_mesh=mesh["dp"] if mesh is not None and cfg.fsdp else None,
+            dtype=cfg.dtype,
         )
     optimizer = build_optimizer(
         model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
@@ -377,8 +380,8 @@ def backward(
     if state.pp is not None:  # the schedule runs the pipeline's own microbatches
         with autocast(ctx.device, ctx.cfg.dtype):
             loss = state.pp.step(x, y, scale=1.0 / A, sync=last)
-        if last:  # the replicas of each stage average their gradients
-            _dp.average_gradients(state.pp.parameters(), ctx.group("dp"))
+        if last:  # the replicas of each stage average their gradients (FSDP's: reduce-scattered)
+            _dp.average_gradients(state.pp.replicated_parameters(), ctx.group("dp"))
         return loss
     with _dp.sync_context(state.net, last):  # DDP / FSDP: reduce on the last micro-batch only
         with autocast(ctx.device, ctx.cfg.dtype):
@@ -723,7 +726,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     if cfg.pp_stages > 1:
         ctx = dataclasses.replace(ctx, mesh=_dp.pipeline_mesh(env, cfg.pp_stages, ctx.device.type))
     # built before any file is deleted: a model that fails to build loses nothing
-    state = build_state(cfg, ctx.device, ctx.group("pp"))
+    state = build_state(cfg, ctx.device, ctx.mesh)
     if plan.clear and ctx.is_main:
         clear_run(ctx.out)
     if plan.resume:

@@ -328,13 +328,25 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
         (2, {"pp_stages": 2, "pp_schedule": "interleaved", "pp_virtual": 2}),
         (4, {"pp_stages": 4, "pp_schedule": "gpipe"}),
         (4, {"pp_stages": 2, "pp_schedule": "1f1b"}),
+        (4, {"pp_stages": 2, "pp_schedule": "1f1b", "fsdp": True}),
+        (
+            4,
+            {
+                "pp_stages": 2,
+                "pp_schedule": "interleaved",
+                "pp_virtual": 2,
+                "pp_microbatches": 2,
+                "fsdp": True,
+            },
+        ),
     ],
-    ids=["2x1f1b", "2x2-interleaved", "4xgpipe", "dp2xpp2-1f1b"],
+    ids=["2x1f1b", "2x2-interleaved", "4xgpipe", "dp2xpp2-1f1b", "fsdp2xpp2-1f1b", "fsdp2xpp2x2-interleaved"],
 )
 def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
     """``--pp-stages`` (gradient accumulation over 2 micro-batches, each split into pipeline
     microbatches; the cross-stage cache on), alone or replicated over a data-parallel mesh
-    dimension: losses, gradient norms and weights equal one process."""
+    dimension (plain replicas, or FSDP2 over them): losses, gradient norms and weights equal one
+    process."""
     out = tmp_path / "pp"
     finals = spawn(_train, world, str(out), pp, timeout_s=180)
     assert len(set(finals)) == 1
@@ -343,6 +355,24 @@ def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
     assert norms[0][1:] == pytest.approx(norms[1][1:], rel=1e-5)
     assert_same_weights(out, single)
     assert sorted(p.name for p in (out / DCP_DIR).iterdir())[:2] == [".metadata", "__0_0.distcp"]
+
+
+def test_fsdp_pipeline_with_tied_embeddings_resumes_in_one_process(tmp_path):
+    """FSDP2 over 2 replicas of a 2-stage pipeline with the LM head tied to the embedding (its
+    shards on the first and last stage summed shard by shard) to step 3, then one process to the
+    end: the uninterrupted single-process run."""
+    out, one = tmp_path / "run", tmp_path / "one"
+    _train(0, 1, str(one), {"tie_embeddings": True})
+    spawn(
+        _train,
+        4,
+        str(out),
+        {"pp_stages": 2, "fsdp": True, "tie_embeddings": True, "stop_at": 3},
+        timeout_s=180,
+    )
+    train(tiny(out, tie_embeddings=True, resume=True), corpus=corpus())
+    assert_same_losses(out, one)
+    assert_same_weights(out, one)
 
 
 def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
@@ -359,7 +389,6 @@ def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
     "kw, message",
     [
         ({"pp_stages": 2, "residual": "full"}, "pp_stages: pipelining carries Block AttnRes states"),
-        ({"pp_stages": 2, "fsdp": True}, "fsdp: not combined with pp_stages > 1 yet"),
         ({"pp_stages": 2, "pp_schedule": "interleaved"}, "pp_virtual: the interleaved schedule needs"),
         ({"pp_stages": 2, "pp_microbatches": 3}, "pp_microbatches: 3 does not divide"),
         ({"pp_stages": 2, "dtype": "float16"}, "dtype: float16"),
