@@ -209,7 +209,7 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class _Sublayer:
+class Sublayer:
     """``h -> f_l(RMSNorm_l(h))`` for activation checkpointing (a plain callable, no KV cache:
     only training recomputes)."""
 
@@ -353,7 +353,7 @@ class GPT(nn.Module):
         state = self.residual.init_state(x, schedule=schedule, record=record)
         for l, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=False)):
             if self.activation_checkpointing and torch.is_grad_enabled():
-                v = self.residual.read_checkpointed(state, l, _Sublayer(layer, norm, cos, sin))
+                v = self.residual.read_checkpointed(state, l, Sublayer(layer, norm, cos, sin))
             else:
                 v = layer(self.residual.read_normed(state, l, norm), cos, sin, cache)  # f_l(RMSNorm_l(h_l))
             self.residual.write(state, l, v)

@@ -57,7 +57,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from ..connections import BlockAttnRes, ResidualState
-from ..model import GPT
+from ..model import GPT, Sublayer
 from .dist import DistributedError, guarded
 from .fsdp import shard_units
 from .pipeline import PipelineLayout
@@ -113,6 +113,7 @@ class StageModule(nn.Module):
         last = chunk == layout.chunks - 1
         self.norm_f = model.norm_f if last else None
         self.lm_head = model.lm_head if last else None
+        self.activation_checkpointing = model.activation_checkpointing  # as GPT recomputes
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
@@ -142,7 +143,11 @@ class StageModule(nn.Module):
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for i, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=True)):
             l = self.first_layer + i
-            self.residual.write(state, l, layer(self.residual.read_normed(state, l, norm), cos, sin))
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                v = self.residual.read_checkpointed(state, l, Sublayer(layer, norm, cos, sin))
+            else:
+                v = layer(self.residual.read_normed(state, l, norm), cos, sin)
+            self.residual.write(state, l, v)
         if self.lm_head is not None:
             return self.lm_head(self.residual.final_normed(state, self.norm_f))
         first, n, partial = self.layout.hop(self.chunk + 1, self.scheme)

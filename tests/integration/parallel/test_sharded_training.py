@@ -329,6 +329,7 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
         (4, {"pp_stages": 4, "pp_schedule": "gpipe"}),
         (4, {"pp_stages": 2, "pp_schedule": "1f1b"}),
         (4, {"pp_stages": 2, "pp_schedule": "1f1b", "fsdp": True}),
+        (2, {"pp_stages": 2, "pp_schedule": "1f1b", "activation_checkpointing": True}),
         (
             4,
             {
@@ -340,7 +341,15 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
             },
         ),
     ],
-    ids=["2x1f1b", "2x2-interleaved", "4xgpipe", "dp2xpp2-1f1b", "fsdp2xpp2-1f1b", "fsdp2xpp2x2-interleaved"],
+    ids=[
+        "2x1f1b",
+        "2x2-interleaved",
+        "4xgpipe",
+        "dp2xpp2-1f1b",
+        "fsdp2xpp2-1f1b",
+        "2x1f1b-recompute",
+        "fsdp2xpp2x2-interleaved",
+    ],
 )
 def test_pipeline_training_equals_single_process(tmp_path, single, world, pp):
     """``--pp-stages`` (gradient accumulation over 2 micro-batches, each split into pipeline
@@ -392,6 +401,7 @@ def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
         ({"pp_stages": 2, "pp_schedule": "interleaved"}, "pp_virtual: the interleaved schedule needs"),
         ({"pp_stages": 2, "pp_microbatches": 3}, "pp_microbatches: 3 does not divide"),
         ({"pp_stages": 2, "dtype": "float16"}, "dtype: float16"),
+        ({"pp_stages": 2, "compile": True}, "compile: not combined with pp_stages > 1"),
         ({"pp_virtual": 2}, "pp_virtual / pp_microbatches: only with pp_stages > 1"),
     ],
 )
