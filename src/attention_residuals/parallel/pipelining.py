@@ -263,6 +263,13 @@ class PipelinedGPT:
         for m in self.modules:
             shard_units(m, m.layers, dtype, mesh=mesh, ignored=set(model.residual.parameters()))
 
+    def compile(self) -> None:
+        """``torch.compile`` each sublayer of this rank's chunks in place (as torchtitan compiles
+        its blocks): the chunk's own forward, with its cache FIFO and byte counts, stays eager."""
+        for m in self.modules:
+            for layer in m.layers:
+                layer.compile()
+
     def replicated_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters that are whole on every replica of its stage (all of them
         without ``shard_mesh``): the caller averages their gradients over the replicas."""
@@ -352,13 +359,22 @@ class PipelinedGPT:
         return loss
 
     def step(
-        self, idx: torch.Tensor | None, targets: torch.Tensor | None, *, scale: float = 1.0, sync: bool = True
+        self,
+        idx: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        *,
+        scale: float = 1.0,
+        sync: bool = True,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch split into ``microbatches``: ``idx`` ``[B, T]`` on the
         rank of chunk 0, ``targets`` on the rank of the last chunk (None elsewhere allowed). The
         gradient of ``scale`` times the mean loss is added to ``.grad`` (gradient accumulation:
-        ``scale = 1 / micro-batches``); ``sync`` (the last of them) sums the shared parameters'
-        gradients over the ranks. Returns the (unscaled) mean loss on every rank."""
+        ``scale = 1 / micro-batches``), times ``scaler``'s loss scale (float16: the caller unscales);
+        ``sync`` (the last of them) sums the shared parameters' gradients over the ranks. Returns
+        the (unscaled) mean loss on every rank."""
+        if scaler is not None:  # every rank asks (the scaler starts its scale on first use)
+            scale *= float(scaler.scale(torch.ones((), device=self.modules[0].rope_cos.device)))
         loss = self._run(self.schedule.step, idx, targets, scale)
         if sync:
             self.sync_shared_grads()

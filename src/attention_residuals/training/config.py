@@ -255,12 +255,6 @@ def _check_pipeline_options(cfg: TrainConfig) -> None:
         raise ValueError(
             f"pp_stages: pipelining carries Block AttnRes states; got residual={cfg.model.residual.rule!r}"
         )
-    if cfg.compile:
-        raise ValueError("compile: not combined with pp_stages > 1 yet")
-    if cfg.dtype == "float16":
-        raise ValueError(
-            "dtype: float16 (its gradient scaler) is not combined with pp_stages > 1; use bfloat16"
-        )
     if (cfg.pp_schedule == "interleaved") != (cfg.pp_virtual > 1):
         raise ValueError(
             f"pp_virtual: the interleaved schedule needs pp_virtual > 1 (and only it), got {cfg.pp_virtual}"

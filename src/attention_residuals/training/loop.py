@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm.auto import tqdm
 
 from ..files import open_append
@@ -116,9 +117,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def grad_scaler(dtype: str, device: torch.device) -> torch.amp.GradScaler | None:
-    """float16 needs loss scaling (its exponent range underflows small gradients); bf16 does not."""
-    return torch.amp.GradScaler(device.type) if dtype == "float16" else None
+def grad_scaler(dtype: str, device: torch.device, pipelined: bool = False) -> torch.amp.GradScaler | None:
+    """float16 needs loss scaling (its exponent range underflows small gradients); bf16 does not.
+    A pipeline's ranks hold different gradients, so there an overflow on any rank skips the step
+    on every rank (``ShardedGradScaler`` all-reduces the overflow flag); FSDP's DTensor gradients
+    reduce it themselves."""
+    if dtype != "float16":
+        return None
+    return ShardedGradScaler(device.type) if pipelined else torch.amp.GradScaler(device.type)
 
 
 @torch.no_grad()
@@ -343,7 +349,8 @@ def build_state(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None 
         min_lr=cfg.min_lr,
         decay_frac=cfg.decay_frac,
     )
-    return TrainState(model, optimizer, scheduler, scaler=grad_scaler(cfg.dtype, device), pp=pp)
+    scaler = grad_scaler(cfg.dtype, device, pipelined=pp is not None)
+    return TrainState(model, optimizer, scheduler, scaler=scaler, pp=pp)
 
 
 @dataclass(frozen=True)
@@ -379,7 +386,7 @@ def backward(
     A, last = ctx.cfg.grad_accum, micro == ctx.cfg.grad_accum - 1
     if state.pp is not None:  # the schedule runs the pipeline's own microbatches
         with autocast(ctx.device, ctx.cfg.dtype):
-            loss = state.pp.step(x, y, scale=1.0 / A, sync=last)
+            loss = state.pp.step(x, y, scale=1.0 / A, sync=last, scaler=state.scaler)
         if last:  # the replicas of each stage average their gradients (FSDP's: reduce-scattered)
             _dp.average_gradients(state.pp.replicated_parameters(), ctx.group("dp"))
         return loss
@@ -734,7 +741,9 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
     elif ctx.is_main:
         start_run_files(ctx.out, run_record(cfg, ctx.corpus.info()))
     state.net = state.model if ctx.sharded else _dp.wrap(state.model, env)
-    if cfg.compile:  # one graph for the bundled GPT; DDP splits its graph at bucket boundaries
+    if cfg.compile and state.pp is not None:
+        state.pp.compile()
+    elif cfg.compile:  # one graph for the bundled GPT; DDP splits its graph at bucket boundaries
         state.net = torch.compile(state.net, fullgraph=env.world_size == 1)
     state.clock = time.perf_counter()
     with (

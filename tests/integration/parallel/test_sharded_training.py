@@ -117,12 +117,14 @@ def test_fsdp_equals_single_process(tmp_path, single, extra):
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.parametrize("parallel", [{"fsdp": True}, {"pp_stages": 2}], ids=["fsdp", "pp"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_fsdp_mixed_precision_tracks_the_single_process_run(tmp_path, dtype):
-    """The mixed-precision policy (parameters gathered in ``dtype``, float32 master weights and
-    gradient reduction; float16 with its gradient scaler) under autocast: the training losses
-    follow the single-process autocast run's within bf16/fp16 rounding."""
-    spawn(_train, 2, str(tmp_path / "fsdp"), {"fsdp": True, "dtype": dtype}, timeout_s=180)
+def test_mixed_precision_tracks_the_single_process_run(tmp_path, dtype, parallel):
+    """FSDP's mixed-precision policy (parameters gathered in ``dtype``, float32 master weights and
+    gradient reduction) or a 2-stage pipeline, under autocast (float16 with its gradient scaler,
+    the overflow check agreed by every rank): the training losses follow the single-process
+    autocast run's within bf16/fp16 rounding."""
+    spawn(_train, 2, str(tmp_path / "fsdp"), {**parallel, "dtype": dtype}, timeout_s=180)
     _train(0, 1, str(tmp_path / "one"), {"dtype": dtype})
     got, want = ([r["train_loss"] for r in read_metrics(tmp_path / k)][1:] for k in ("fsdp", "one"))
     assert len(got) == 6 and got == pytest.approx(want, rel=2e-3)
@@ -330,6 +332,7 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
         (4, {"pp_stages": 2, "pp_schedule": "1f1b"}),
         (4, {"pp_stages": 2, "pp_schedule": "1f1b", "fsdp": True}),
         (2, {"pp_stages": 2, "pp_schedule": "1f1b", "activation_checkpointing": True}),
+        (2, {"pp_stages": 2, "pp_schedule": "1f1b", "compile": True}),
         (
             4,
             {
@@ -348,6 +351,7 @@ def test_a_rank_killed_mid_step_fails_the_fsdp_run_fast_and_it_resumes_exactly(t
         "dp2xpp2-1f1b",
         "fsdp2xpp2-1f1b",
         "2x1f1b-recompute",
+        "2x1f1b-compile",
         "fsdp2xpp2x2-interleaved",
     ],
 )
@@ -400,8 +404,6 @@ def test_pipeline_checkpoint_resumes_on_another_layout(tmp_path, single):
         ({"pp_stages": 2, "residual": "full"}, "pp_stages: pipelining carries Block AttnRes states"),
         ({"pp_stages": 2, "pp_schedule": "interleaved"}, "pp_virtual: the interleaved schedule needs"),
         ({"pp_stages": 2, "pp_microbatches": 3}, "pp_microbatches: 3 does not divide"),
-        ({"pp_stages": 2, "dtype": "float16"}, "dtype: float16"),
-        ({"pp_stages": 2, "compile": True}, "compile: not combined with pp_stages > 1"),
         ({"pp_virtual": 2}, "pp_virtual / pp_microbatches: only with pp_stages > 1"),
     ],
 )
@@ -421,3 +423,21 @@ def test_pipeline_stages_must_divide_the_world_size(tmp_path):
     ):
         spawn(_train, 4, str(tmp_path / "run"), {"pp_stages": 2, "pp_microbatches": 4}, timeout_s=60)
     assert not (tmp_path / "run").exists()
+
+
+def _overflow_on_one_rank(rank, world):
+    """Rank 1's gradient overflows, rank 0's does not: (rank 0's weight moved?, its new scale)."""
+    w = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    scaler = loop.grad_scaler("float16", torch.device("cpu"), pipelined=True)
+    (scaler.scale(w.sum()) * (float("inf") if rank == 1 else 1.0)).backward()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return bool((w != 1).any()), scaler.get_scale()
+
+
+def test_a_pipeline_overflow_on_one_stage_skips_the_step_on_every_stage():
+    """float16 under pipelining: each stage's gradients are its own, so the overflow flag is agreed
+    over the ranks; no stage steps and every scale backs off alike."""
+    assert spawn(_overflow_on_one_rank, 2, timeout_s=60) == [(False, 2.0**15)] * 2
