@@ -13,6 +13,10 @@ replace the committed figures):
               ``[*, d]`` tensors per token, the exact count derived for our layout
               (``parallel.pipeline.derived_transfers``), and the report's formula with
               ``N_p = N / C``. Loss and gradients are checked against the single-process model.
+              The PreNorm baseline runs on the same runtime and layout beside it (one hidden
+              state per hop): its bytes, and each scheme's step time as a ratio to it (the
+              slowest rank, best of ``PIPE_TIMED`` steps, measured in the same processes),
+              beside the same ratio in one process (what the pipeline adds is their quotient).
 ``prefill``   T = 8192 tokens, 8 blocks: the peak block-state bytes one rank holds (tracked on
               the live tensors) sharded over tp = 1, 2, 4, 8 ranks (over the hidden dim, and
               over the sequence as the report's text has it), with and without sequence chunks
@@ -50,6 +54,7 @@ PIPE_MODEL = dict(vocab_size=256, n_layer=8, n_head=2, d_model=64, seq_len=32, r
 PIPE_CASES = [(2, 1, 2), (2, 2, 2), (2, 4, 2), (4, 1, 2), (4, 2, 2), (4, 2, 4), (2, 2, 3)]
 PIPE_QUICK = [(2, 2, 2), (2, 2, 3)]
 PIPE_BATCH, PIPE_MICRO = 4, 2
+PIPE_TIMED = 5  # timed steps per configuration (the best is kept)
 
 PREFILL_MODEL = dict(
     vocab_size=256, n_layer=4, n_head=4, d_model=256, residual="block", block_size=1
@@ -57,9 +62,11 @@ PREFILL_MODEL = dict(
 REPORT_EXAMPLE = dict(tokens=128 * 1024, blocks=8, d_model=7168, bytes_per_elem=2, tp=8, chunk=16 * 1024)
 
 
-def _pipe_model(S: int):
+def _pipe_model(S: int, residual: str = "block"):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**PIPE_MODEL, block_size=S))
+    model = GPT(
+        GPTConfig(**{**PIPE_MODEL, "residual": residual}, block_size=S if residual == "block" else None)
+    )
     with torch.no_grad():  # trained-looking (non-zero) depth queries, so every path matters
         for p in model.residual.parameters():
             p.add_(torch.randn_like(p) * 0.5)
@@ -73,26 +80,66 @@ def _pipe_batch():
 
 
 def _pipe_worker(rank: int, world: int, V: int, S: int) -> dict:
+    """Block AttnRes in each scheme, then the PreNorm baseline on the same runtime: the bytes sent,
+    loss and gradients of one step, and the best of ``PIPE_TIMED`` step times."""
     idx, targets = _pipe_batch()
     out = {}
-    for scheme in PP_SCHEMES:
-        model = _pipe_model(S)
+    for residual, scheme in [("block", s) for s in PP_SCHEMES] + [("prenorm", "cached")]:
+        model = _pipe_model(S, residual)
         names = {id(p): n for n, p in model.named_parameters()}
         schedule = "interleaved" if V > 1 else "1f1b"
         pp = PipelinedGPT(
             model, virtual=V, schedule=schedule, scheme=scheme, microbatches=max(PIPE_MICRO, world)
         )
         pp.step(idx, targets)  # the first step also runs torch's metadata inference
-        for p in pp.parameters():
-            p.grad = None
-        t0 = time.perf_counter()
-        loss = pp.step(idx, targets)
-        step_s = time.perf_counter() - t0
+        times = []
+        for _ in range(PIPE_TIMED):
+            for p in pp.parameters():
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pp.step(idx, targets)
+            times.append(time.perf_counter() - t0)
         grads = {names[id(p)]: p.grad.clone() for p in pp.parameters() if p.grad is not None}
-        out[scheme] = dict(
-            sent=pp.sent_elements(), loss=float(loss), grads=grads, step_s=step_s, schedule=schedule
+        out[scheme if residual == "block" else residual] = dict(
+            sent=pp.sent_elements(), loss=float(loss), grads=grads, step_s=times, schedule=schedule
         )
     return out
+
+
+def _reference(S: int, residual: str) -> tuple[float, dict[str, torch.Tensor], float]:
+    """One process: the loss of the batch, every gradient, and the best of ``PIPE_TIMED`` step
+    times (forward and backward of the whole batch, after one untimed step)."""
+    ref = _pipe_model(S, residual)
+    idx, targets = _pipe_batch()
+    times = []
+    for _ in range(PIPE_TIMED + 1):
+        ref.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        _, loss = ref(idx, targets)
+        loss.backward()
+        times.append(time.perf_counter() - t0)
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}, min(times[1:])
+
+
+def _measured(results: list[dict], key: str, ref: tuple[float, dict], tokens: int, d: int) -> dict:
+    """One scheme's (or the baseline's) figures over the ranks: bytes, tensors per token, the
+    gradient error against one process, and the step time (the slowest rank, best step)."""
+    P = len(results)
+    fwd = 4 * sum(n for r in range(P) for n in results[r][key]["sent"].values())
+    merged: dict[str, torch.Tensor] = {}
+    for r in range(P):
+        merged.update(results[r][key]["grads"])
+    ref_loss, ref_grads, ref_step_s = ref
+    return dict(
+        bytes_forward=fwd,
+        tensors_per_token_measured=fwd / (tokens * d * 4),
+        loss=results[0][key]["loss"],
+        ref_loss=ref_loss,
+        max_grad_abs_diff=max(float((merged[n] - g).abs().max()) for n, g in ref_grads.items()),
+        step_s=min(max(results[r][key]["step_s"][i] for r in range(P)) for i in range(PIPE_TIMED)),
+        one_process_step_s=ref_step_s,
+    )
 
 
 def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
@@ -101,17 +148,13 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
     L = 2 * PIPE_MODEL["n_layer"]
     tokens = PIPE_BATCH * T
     for P, V, S in cases:
-        ref = _pipe_model(S)
-        idx, targets = _pipe_batch()
-        _, ref_loss = ref(idx, targets)
-        ref_loss.backward()
-        ref_loss = ref_loss.detach()
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
         results = spawn(_pipe_worker, P, V, S, timeout_s=300)
         layout = PipelineLayout.build(L, S, P, V)
         C = P * V
         n_blocks = -(-L // S)  # N, the last one possibly partial; b_0 comes on top
         report = report_transfers(P, V, n_blocks / C)
+        baseline = _measured(results, "prenorm", _reference(S, "prenorm"), tokens, d)
+        baseline["tensors_per_token_derived"] = C - 1  # one hidden state per hop
         row = dict(
             P=P,
             V=V,
@@ -127,27 +170,22 @@ def bench_pipeline(cases=PIPE_CASES) -> list[dict]:
             microbatches=max(PIPE_MICRO, P),
             schedule=results[0][PP_SCHEMES[0]]["schedule"],
             bytes_per_elem=4,
+            timed_steps=PIPE_TIMED,
+            prenorm=baseline,
             schemes={},
         )
+        ref = _reference(S, "block")
         for scheme in PP_SCHEMES:
-            fwd = 4 * sum(n for r in range(P) for n in results[r][scheme]["sent"].values())
-            merged: dict[str, torch.Tensor] = {}
-            for r in range(P):
-                merged.update(results[r][scheme]["grads"])
-            grad_diff = max(float((merged[n] - g).abs().max()) for n, g in ref_grads.items())
-            measured = fwd / (tokens * d * 4)
+            m = _measured(results, scheme, ref, tokens, d)
             derived = derived_transfers(layout.bounds, S, P, scheme)
-            row["schemes"][scheme] = dict(
-                bytes_forward=fwd,
-                tensors_per_token_measured=measured,
+            m.update(
                 tensors_per_token_derived=derived,
-                matches_derived=measured == derived,
+                matches_derived=m["tensors_per_token_measured"] == derived,
                 report_formula=report.get(scheme),
-                loss=results[0][scheme]["loss"],
-                ref_loss=float(ref_loss),
-                max_grad_abs_diff=grad_diff,
-                step_s=max(results[r][scheme]["step_s"] for r in range(P)),
+                step_vs_prenorm=m["step_s"] / baseline["step_s"],
+                one_process_step_vs_prenorm=m["one_process_step_s"] / baseline["one_process_step_s"],
             )
+            row["schemes"][scheme] = m
         rows.append(row)
     return rows
 

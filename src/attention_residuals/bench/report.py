@@ -228,20 +228,25 @@ def _peers_section(d: dict, stem: str, folder: Path) -> list[str]:
 def _pipeline_lines(pipeline: list[dict]) -> list[str]:
     rows = []
     for p in pipeline:
-        for name, s in p["schemes"].items():
+        runs = list(p["schemes"].items()) + ([("PreNorm", p["prenorm"])] if "prenorm" in p else [])
+        for name, s in runs:
+            ratio = s.get("step_vs_prenorm", 1.0 if name == "PreNorm" else None)
+            one = s.get("one_process_step_vs_prenorm", 1.0 if name == "PreNorm" else None)
             rows.append(
                 [
                     p["P"],
                     p["V"],
                     p["L"],
-                    p["S"],
+                    p["S"] if name != "PreNorm" else "—",
                     p.get("schedule", "—"),
                     name,
                     s["bytes_forward"],
                     s["tensors_per_token_measured"],
                     s["tensors_per_token_derived"],
-                    s["report_formula"],
+                    s.get("report_formula", "—") if name != "PreNorm" else "—",
                     f"{s['max_grad_abs_diff']:.1e}",
+                    _f(ratio, 2) if ratio is not None else "—",
+                    _f(one, 2) if one is not None else "—",
                 ]
             )
     return _table(
@@ -257,6 +262,8 @@ def _pipeline_lines(pipeline: list[dict]) -> list[str]:
             "derived",
             "report formula",
             "max grad diff vs 1 process",
+            "step / PreNorm",
+            "same, 1 process",
         ],
         rows,
     )
@@ -297,7 +304,9 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
             " Pipeline: one training step of `PipelinedGPT` on torch.distributed.pipelining (the"
             " schedule named per row); bytes each stage sends forward, counted on the send path, beside"
             " our derived count and the report's formula (tensors per token); gradients against one"
-            " process."
+            " process; the PreNorm baseline on the same runtime and layout, and each scheme's step"
+            " time as a ratio to it (slowest rank, best of the timed steps, same processes) beside the same"
+            " ratio in one process."
         )
         lines += _pipeline_lines(d["pipeline"])
     if "prefill" in d:

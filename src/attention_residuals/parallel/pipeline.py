@@ -1,4 +1,5 @@
-"""The pipeline layout of Block AttnRes and its cross-stage traffic, counted and in closed form.
+"""The pipeline layout of Block AttnRes (and of the rules it covers) and its cross-stage traffic,
+counted and in closed form.
 
 The runtime that trains with it is :mod:`.pipelining` (torch.distributed.pipelining); this module
 is the arithmetic both it and ``attnres bench dist`` use.
@@ -41,6 +42,11 @@ Traffic per token in units of ``d`` elements (:func:`derived_transfers`), with
     cached_all  P(P-1)/2 N_p + (V-1) P(P-1) N_p + (P-1)
 
 (:func:`report_transfers` gives the report's two formulas).
+
+Other rules. Full AttnRes (and input-independent mixing) keeps every sublayer output ``v_j`` as a
+source: its layout is Block's with ``S = 1`` (each output a block, never a partial), cache
+included. PreNorm (and mHC-lite's streams) hand one tensor across each hop (``hidden``): ``C - 1``
+per token, nothing to cache.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
+    "PIPELINE_STATE",
     "SCHEMES",
     "PipelineLayout",
     "aligned_transfers",
@@ -57,6 +64,11 @@ __all__ = [
 ]
 
 SCHEMES = ("naive", "cached", "cached_all")
+
+#: the rules a pipeline carries: the ``ResidualState`` field their state crosses a hop in (a list
+#: of sources, or one tensor). SWA drops sources out of its window and DenseFormer carries a mix
+#: beside its sources: neither is pipelined.
+PIPELINE_STATE = {"block": "blocks", "full": "values", "mixing": "values", "prenorm": "h", "mhc": "streams"}
 
 
 def _check_scheme(scheme: str) -> None:
@@ -69,7 +81,8 @@ class PipelineLayout:
     """Which sublayers each chunk runs and which blocks each hop carries.
 
     ``bounds[c] : bounds[c + 1]`` are the sublayers of chunk ``c``; chunk ``c`` lives on rank
-    ``c % stages`` as virtual stage ``c // stages``.
+    ``c % stages`` as virtual stage ``c // stages``. ``hidden``: the state is one tensor (PreNorm),
+    whatever ``block_size`` says.
     """
 
     n_layers: int
@@ -77,6 +90,7 @@ class PipelineLayout:
     stages: int
     virtual: int
     bounds: tuple[int, ...]
+    hidden: bool = False
 
     @classmethod
     def build(
@@ -86,6 +100,7 @@ class PipelineLayout:
         stages: int,
         virtual: int = 1,
         chunk_layers: list[int] | None = None,
+        hidden: bool = False,
     ) -> PipelineLayout:
         """Even split (the first ``L mod C`` chunks get one more sublayer) or ``chunk_layers``."""
         for name, value in (
@@ -111,7 +126,7 @@ class PipelineLayout:
         bounds = [0]
         for n in chunk_layers:
             bounds.append(bounds[-1] + n)
-        return cls(n_layers, block_size, stages, virtual, tuple(bounds))
+        return cls(n_layers, block_size, stages, virtual, tuple(bounds), hidden)
 
     @property
     def chunks(self) -> int:
@@ -127,14 +142,17 @@ class PipelineLayout:
         return range(self.bounds[chunk], self.bounds[chunk + 1])
 
     def state_after(self, j: int) -> tuple[int, bool]:
-        """``(completed blocks including b_0, partial open?)`` once the first ``j`` chunks ran."""
+        """``(completed blocks including b_0, partial open?)`` once the first ``j`` chunks ran
+        (``(1, False)`` for a hidden state: the one tensor)."""
+        if self.hidden:
+            return 1, False
         e = self.bounds[j]
         return 1 + e // self.block_size, e % self.block_size != 0
 
     def known_before(self, chunk: int, scheme: str) -> int:
         """How many leading blocks ``b_0 ...`` the rank of ``chunk`` holds before receiving its input."""
         _check_scheme(scheme)
-        if scheme == "naive" or chunk < self.stages:
+        if scheme == "naive" or chunk < self.stages or self.hidden:
             return 0
         prev = chunk - self.stages  # the same rank's previous virtual stage
         return self.state_after(prev if scheme == "cached" else prev + 1)[0]

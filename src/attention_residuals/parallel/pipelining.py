@@ -1,5 +1,9 @@
 """Pipeline-parallel Block AttnRes on ``torch.distributed.pipelining``, with the cross-stage cache.
 
+Full AttnRes and mixing (their sources are Block's with ``S = 1``), PreNorm and mHC-lite (one
+tensor per hop) ride the same runtime, so that the baseline is trained and timed as AttnRes is
+(:data:`.pipeline.PIPELINE_STATE`).
+
 The model is cut as in :class:`.pipeline.PipelineLayout`: ``C = P * V`` contiguous chunks of
 sublayers, chunk ``c`` on rank ``c % P`` as its virtual stage ``c // P``. Each chunk is a
 :class:`StageModule` handed to a ``PipelineStage``; the schedule is PyTorch's own
@@ -56,11 +60,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from ..connections import BlockAttnRes, ResidualState
+from ..connections import ResidualState
 from ..model import GPT, Sublayer
 from .dist import DistributedError, guarded
 from .fsdp import shard_units
-from .pipeline import PipelineLayout
+from .pipeline import PIPELINE_STATE, PipelineLayout
 
 __all__ = ["PP_SCHEDULES", "PP_SCHEMES", "PipelinedGPT", "StageModule"]
 
@@ -93,12 +97,13 @@ class _Shared:
 
 
 class StageModule(nn.Module):
-    """Chunk ``chunk`` of a Block AttnRes :class:`GPT`: its sublayers and their norms, the
-    embedding on chunk 0, the final norm and LM head on the last chunk.
+    """Chunk ``chunk`` of a :class:`GPT`: its sublayers and their norms, the embedding on chunk 0,
+    the final norm and LM head on the last chunk.
 
-    ``forward``: chunk 0 takes token ids ``[B, T]``; the others the stacked blocks the hop into
-    them carries, ``[k, B, T, d]`` (:meth:`.PipelineLayout.hop`). The last chunk returns logits
-    ``[B, T, vocab]``; the others the stacked blocks of the hop out of them.
+    ``forward``: chunk 0 takes token ids ``[B, T]``; the others the stacked state the hop into
+    them carries, ``[k, B, T, d]`` (:meth:`.PipelineLayout.hop`; ``[1, B, T, m, d]`` for mHC's
+    streams). The last chunk returns logits ``[B, T, vocab]``; the others the stacked state of
+    the hop out of them.
     """
 
     def __init__(self, model: GPT, layout: PipelineLayout, chunk: int, scheme: str, shared: _Shared) -> None:
@@ -109,6 +114,7 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(model.layers[l] for l in layers)
         self.norms = nn.ModuleList(model.norms[l] for l in layers)
         self.residual = model.residual
+        self.field = PIPELINE_STATE[model.residual.rule]
         self.embed = model.embed if chunk == 0 else None
         last = chunk == layout.chunks - 1
         self.norm_f = model.norm_f if last else None
@@ -117,11 +123,20 @@ class StageModule(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
+    def _carried(self, state: ResidualState) -> list[torch.Tensor]:
+        """The tensors of ``state`` that cross a hop (blocks, sources, or the one hidden state)."""
+        value = getattr(state, self.field)
+        return [value] if self.layout.hidden else list(value)
+
+    def _set_carried(self, state: ResidualState, tensors: list[torch.Tensor]) -> None:
+        setattr(state, self.field, tensors[0] if self.layout.hidden else list(tensors))
+
     def _input_state(self, x: torch.Tensor) -> tuple[ResidualState, list[torch.Tensor]]:
-        """The blocks (cached ones first, then the received ones) and the partial."""
-        if self.chunk == 0:
-            emb = self.embed(x)
-            return ResidualState(blocks=[emb]), [emb]
+        """The state (cached tensors first, then the received ones, then the partial) and its
+        carried tensors."""
+        if self.chunk == 0:  # the rule's own start, as GPT's forward makes it
+            state = self.residual.init_state(self.embed(x))
+            return state, self._carried(state)
         first, n, partial = self.layout.hop(self.chunk, self.scheme)
         cached = self._shared.cache[self.chunk].popleft() if first else []
         if len(cached) != first:
@@ -129,17 +144,23 @@ class StageModule(nn.Module):
                 f"pipeline cache of chunk {self.chunk}: {len(cached)} blocks, the hop needs {first}"
             )
         got = list(x.unbind(0))
-        blocks = cached + got[: n - first]
-        return ResidualState(blocks=blocks, partial=got[-1] if partial else None), blocks
+        carried = cached + got[: n - first]
+        state = ResidualState(partial=got[-1] if partial else None)
+        self._set_carried(state, carried)
+        return state, carried
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state, blocks = self._input_state(x)
+        state, carried = self._input_state(x)
         later = self.chunk + self.layout.stages  # this rank's next virtual stage
-        if self.scheme == "cached" and later < self.layout.chunks:
-            leaves = [b.detach().requires_grad_(True) for b in blocks]
-            state.blocks = [_Tap.apply(b, leaf) for b, leaf in zip(blocks, leaves, strict=True)]
+        if (
+            self.scheme == "cached"
+            and later < self.layout.chunks
+            and self.layout.known_before(later, "cached")
+        ):
+            leaves = [b.detach().requires_grad_(True) for b in carried]
+            self._set_carried(state, [_Tap.apply(b, leaf) for b, leaf in zip(carried, leaves, strict=True)])
             self._shared.cache[later].append(leaves)
-        T = state.blocks[0].shape[1]
+        T = carried[0].shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         for i, (layer, norm) in enumerate(zip(self.layers, self.norms, strict=True)):
             l = self.first_layer + i
@@ -151,9 +172,10 @@ class StageModule(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(self.residual.final_normed(state, self.norm_f))
         first, n, partial = self.layout.hop(self.chunk + 1, self.scheme)
-        if len(state.blocks) != n or (state.partial is not None) != partial:
+        carried = self._carried(state)
+        if len(carried) != n or (state.partial is not None) != partial:
             raise RuntimeError(f"pipeline layout mismatch after chunk {self.chunk}")  # a bug, not input
-        out = torch.stack(state.blocks[first:n] + ([state.partial] if partial else []))
+        out = torch.stack(carried[first:n] + ([state.partial] if partial else []))
         self._shared.sent_elements[self.chunk] += out.numel()
         return out
 
@@ -179,9 +201,10 @@ def _check_options(model: GPT, virtual: int, schedule: str, scheme: str) -> None
         raise ValueError(f"schedule: expected one of {PP_SCHEDULES}, got {schedule!r}")
     if scheme not in PP_SCHEMES:
         raise ValueError(f"scheme: expected one of {PP_SCHEMES}, got {scheme!r}")
-    if not isinstance(model.residual, BlockAttnRes):
+    if model.residual.rule not in PIPELINE_STATE:
         raise ValueError(
-            f"model: pipelining carries Block AttnRes states, got residual={model.config.residual.rule!r}"
+            f"model: pipelining carries the states of {', '.join(PIPELINE_STATE)}; "
+            f"got residual={model.residual.rule!r}"
         )
     if (schedule == "interleaved") != (virtual > 1):
         raise ValueError(f"virtual: the interleaved schedule needs virtual > 1 (and only it), got {virtual}")
@@ -199,7 +222,7 @@ def _check_microbatches(microbatches: int, schedule: str, stages: int) -> None:
 
 
 class PipelinedGPT:
-    """This rank's part of a Block AttnRes :class:`GPT` pipelined over ``group`` (default: the
+    """This rank's part of a :class:`GPT` (a rule of :data:`.pipeline.PIPELINE_STATE`) pipelined over ``group`` (default: the
     world; ``P`` = its size) with ``virtual`` stages per rank.
 
     Every rank builds the same ``model`` (same seed) and passes it here; the chunks of the other
@@ -224,8 +247,13 @@ class PipelinedGPT:
         _check_microbatches(microbatches, schedule, stages)
         self.group, self.scheme, self.microbatches = group, scheme, microbatches
         self.rank = dist.get_rank(group)
+        rule = model.residual.rule
         self.layout = PipelineLayout.build(
-            model.residual.n_layers, model.residual.block_size, stages, virtual
+            model.residual.n_layers,
+            model.residual.block_size if rule == "block" else 1,  # Full's sources: blocks of one
+            stages,
+            virtual,
+            hidden=PIPELINE_STATE[rule] in ("h", "streams"),
         )
         self._shared = _Shared(
             cache={c: collections.deque() for c in range(self.layout.chunks)},
@@ -300,6 +328,8 @@ class PipelinedGPT:
         if self.layout.stages == 1:
             return
         shared = self._shared_parameters()
+        if not shared:  # PreNorm, untied: every parameter lives on one rank
+            return
         device = self.modules[0].rope_cos.device
         flat = torch.cat(
             [

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..model import GPTConfig
+from ..parallel.pipeline import PIPELINE_STATE
 from ..parallel.pipelining import PP_SCHEDULES
 from ..typed import (
     check_bounds,
@@ -251,9 +252,10 @@ def _check_pipeline_options(cfg: TrainConfig) -> None:
         if cfg.pp_virtual != 1 or cfg.pp_microbatches is not None:
             raise ValueError("pp_virtual / pp_microbatches: only with pp_stages > 1")
         return
-    if cfg.model.residual.rule != "block":
+    if cfg.model.residual.rule not in PIPELINE_STATE:
         raise ValueError(
-            f"pp_stages: pipelining carries Block AttnRes states; got residual={cfg.model.residual.rule!r}"
+            f"pp_stages: pipelining carries the states of {', '.join(PIPELINE_STATE)}; "
+            f"got residual={cfg.model.residual.rule!r}"
         )
     if (cfg.pp_schedule == "interleaved") != (cfg.pp_virtual > 1):
         raise ValueError(

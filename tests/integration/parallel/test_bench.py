@@ -22,9 +22,15 @@ def test_pipeline_rows():
     # aligned (N_p = 2 whole blocks per chunk): the report's formulas plus b_0 on the hops
     assert s["naive"]["tensors_per_token_derived"] == s["naive"]["report_formula"] + (row["C"] - 1)
     assert s["cached"]["tensors_per_token_derived"] == s["cached"]["report_formula"] + (row["P"] - 1)
-    for v in s.values():
+    # the PreNorm baseline on the same runtime: one hidden state per hop, equal to one process
+    base = row["prenorm"]
+    assert base["tensors_per_token_measured"] == base["tensors_per_token_derived"] == row["C"] - 1
+    for v in [*s.values(), base]:
         assert v["loss"] == pytest.approx(v["ref_loss"], rel=1e-5)
         assert v["max_grad_abs_diff"] < 1e-5
+        assert v["step_s"] > 0 and v["one_process_step_s"] > 0
+    for v in s.values():
+        assert v["step_vs_prenorm"] == pytest.approx(v["step_s"] / base["step_s"])
 
 
 def test_prefill_rows_and_cli(tmp_path, monkeypatch):
