@@ -154,7 +154,8 @@ class ResidualConfig:
 class ResidualState:
     """Mutable per-forward state of a connection (its fields depend on the rule).
 
-    ``record`` collects depth weights for :meth:`GPT.depth_weights`: layer -> (columns, weights).
+    ``record`` collects depth weights for :meth:`GPT.depth_weights`: layer -> (columns, weights
+    ``[n]`` or ``[n, heads]`` averaged over batch and tokens).
     ``phase1`` caches two-phase results: group index -> (batched state, layers, sources covered).
     """
 
@@ -341,7 +342,7 @@ class DepthAttentionResidual(Connection):
             q = self.query(layer, srcs)
             z = depth_logits(q, stack_sources(srcs), self.eps, heads=self.heads, key_norm=self.key_norm)
             w = torch.softmax(z, 0) if self.normalize == "softmax" else torch.sigmoid(z)
-            state.record[layer] = (cols, w.detach().flatten(1, -1).mean(1))
+            state.record[layer] = (cols, w.detach().flatten(1, -2).mean(1))  # [n, heads]
         return self._attend_sources(layer, *srcs)
 
     def _attend_sources(self, layer: int, *srcs: torch.Tensor) -> torch.Tensor:

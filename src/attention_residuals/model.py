@@ -432,15 +432,17 @@ class GPT(nn.Module):
         return "two_phase" if self.residual.supports_two_phase else "plain"
 
     @torch.no_grad()
-    def depth_weights(self, idx: torch.Tensor) -> torch.Tensor:
-        """Learned depth-attention weights averaged over batch, tokens (and heads).
+    def depth_weights(self, idx: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+        """Learned depth-attention weights averaged over batch and tokens (and heads).
 
-        Returns ``[L + 1, n_columns]``: row ``l`` is sublayer ``l`` (even rows: pre-attention,
-        odd rows: pre-MLP), the last row the final readout; column ``j`` is source ``j``
-        (Full: ``v_j``; Block: block ``b_j``); NaN where a layer has no such source.
+        Returns ``[L + 1, n_columns]`` (``[L + 1, n_columns, heads]`` with ``per_head``): row ``l``
+        is sublayer ``l`` (even rows: pre-attention, odd rows: pre-MLP), the last row the final
+        readout; column ``j`` is source ``j`` (Full: ``v_j``; Block: block ``b_j``); NaN where a
+        layer has no such source.
         """
         _, record = self._run(idx, record=True)
-        out = torch.full((self.residual.n_layers + 1, self.residual.n_columns()), float("nan"))
+        heads = getattr(self.residual, "heads", 1)
+        out = torch.full((self.residual.n_layers + 1, self.residual.n_columns(), heads), float("nan"))
         for layer, (cols, w) in record.items():
-            out[layer, cols] = w.float().cpu() if w.ndim == 1 else w.float().mean(-1).cpu()
-        return out
+            out[layer, cols] = (w if w.ndim == 2 else w[:, None]).float().cpu()
+        return out if per_head else out.mean(-1)

@@ -17,6 +17,7 @@ from ..files import atomic_write
 from ..model import GPT, GPTConfig
 from ..plotting import matplotlib_module, new_figure
 from ..training.data import eval_batches, load_corpus
+from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint
 from . import dynamics
 from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING
@@ -232,7 +233,7 @@ def _trained_model(run_dir: Path) -> GPT | None:
 
 
 def _depth_rows(todo, summaries, tpp_of, seq_len: int) -> list[dict]:
-    """:func:`dynamics.depth_weight_summary` of every finished AttnRes run whose checkpoint is
+    """:func:`depth_weight_summary` of every finished AttnRes run whose checkpoint is
     here, on one fixed batch of its own corpus's validation split."""
     batches: dict[str, torch.Tensor] = {}
     out = []
@@ -251,7 +252,7 @@ def _depth_rows(todo, summaries, tpp_of, seq_len: int) -> list[dict]:
             if data not in batches:
                 val = load_corpus(data, vocab_size=256).val
                 batches[data] = next(iter(eval_batches(val, n_batches=1, batch_size=8, seq_len=seq_len)))[0]
-            stats = dynamics.depth_weight_summary(model, batches[data])
+            stats = depth_weight_summary(model, batches[data])
             atomic_write(cached, json.dumps(stats, indent=1))
         out.append(
             {
@@ -273,8 +274,9 @@ def _depth_table(rows: list[dict]) -> list[str]:
         "Depth weights of the trained models (deeper half of the sublayers and the final readout; "
         "mean over seeds): entropy H/log n (1 = the uniform mix they start at), weight on the embedding "
         "and on the most recent source, and the pseudo-queries' logit scale mean ||w_l||·sqrt(d) (0 at "
-        "init). Multi-head rows: only the logit scale (the recorded weights average the heads, which "
-        "would read as uniform).",
+        "init). Multi-head rows: each head's numbers averaged; a multi-head run summarised before the "
+        "weights were recorded per head shows only its logit scale (the average of the heads would "
+        "read as uniform).",
         "",
         "| corpus, sublayers | tokens/param | variant | entropy ratio | on embedding | on latest | logit scale |",
         "|---|---|---|---|---|---|---|",
@@ -286,7 +288,7 @@ def _depth_table(rows: list[dict]) -> list[str]:
             k: float(np.mean([r[k] for r in mine]))
             for k in ("entropy_ratio", "embedding_weight", "latest_weight", "query_logit_scale")
         }
-        multi = "_h" in variant
+        multi = "_h" in variant and not all(r.get("per_head") for r in mine)
         cells = (
             ["—"] * 3
             if multi

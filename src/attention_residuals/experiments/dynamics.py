@@ -14,7 +14,7 @@ import torch
 
 from ..model import GPT
 
-__all__ = ["magnitudes", "gradient_norms", "depth_weights", "depth_weight_summary"]
+__all__ = ["magnitudes", "gradient_norms", "depth_weights"]
 
 
 def _rms(x: torch.Tensor) -> float:
@@ -65,37 +65,3 @@ def depth_weights(model: GPT, idx: torch.Tensor) -> dict[str, list[list[float]]]
     model.eval()
     w = model.depth_weights(idx)
     return {"pre_attn": w[0:-1:2].tolist(), "pre_mlp": w[1:-1:2].tolist(), "final": w[-1].tolist()}
-
-
-@torch.no_grad()
-def depth_weight_summary(model: GPT, idx: torch.Tensor) -> dict[str, float]:
-    """How far the learned depth weights are from the uniform mix they start at, in numbers that
-    compare across budgets: over the sublayers of the deeper half (and the final readout), the mean
-    normalised entropy ``H(alpha_l) / log(n_l)`` (1 = uniform, 0 = one source), the mean weight on
-    the embedding (column 0) and on the most recent source, and the pseudo-queries' logit scale
-    ``mean_l ||w_l|| sqrt(d)`` (what a key-normed logit can reach; 0 at init)."""
-    w = model.depth_weights(idx)  # [L + 1, n_columns], NaN where a layer has no such source
-    L = w.shape[0] - 1
-    rows = []
-    for l in range(L // 2, L + 1):
-        valid = w[l][~torch.isnan(w[l])]
-        if valid.numel() < 2:
-            continue
-        p = valid / valid.sum()
-        entropy = float(-(p * p.clamp_min(1e-12).log()).sum() / torch.log(torch.tensor(float(p.numel()))))
-        rows.append((entropy, float(p[0]), float(p[-1])))
-    queries = (
-        model.residual.static_queries(slice(None)) if hasattr(model.residual, "static_queries") else None
-    )
-    scale = (
-        float(queries.norm(dim=-1).mean() * model.config.d_model**0.5)
-        if queries is not None
-        else float("nan")
-    )
-    n = max(len(rows), 1)
-    return {
-        "entropy_ratio": sum(r[0] for r in rows) / n,
-        "embedding_weight": sum(r[1] for r in rows) / n,
-        "latest_weight": sum(r[2] for r in rows) / n,
-        "query_logit_scale": scale,
-    }

@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..connections import RULES
 from ..model import GPTConfig
 from ..parallel.pipeline import PIPELINE_STATE
 from ..parallel.pipelining import PP_SCHEDULES
@@ -93,6 +94,12 @@ class TrainConfig:
     weight_decay: float = _f(
         0.1, "decoupled weight decay of 2-D weights (never on norms or residual.*)", ge=0
     )
+    depth_lr_scale: float = _f(
+        1.0,
+        "learning rate of the depth-mixing parameters (pseudo-queries, key-norm gains, mixing "
+        "logits: residual.*) as a multiple of --lr",
+        gt=0,
+    )
     beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)", ge=0)
@@ -157,8 +164,8 @@ class TrainConfig:
     )
     pp_stages: int = _rc(
         1,
-        "pipeline stages, under torchrun with a multiple of this many ranks: pipeline parallel (Block "
-        "AttnRes; torch.distributed.pipelining with the cross-stage block cache; sharded checkpoints), "
+        "pipeline stages, under torchrun with a multiple of this many ranks: pipeline parallel "
+        "(torch.distributed.pipelining, Block AttnRes with the cross-stage block cache; sharded checkpoints), "
         "world_size / pp_stages data-parallel replicas on a (dp, pp) DeviceMesh",
         ge=1,
     )
@@ -168,6 +175,12 @@ class TrainConfig:
     pp_virtual: int = _rc(1, "virtual pipeline stages per rank (the interleaved schedule)", ge=1)
     pp_microbatches: int | None = _rc(
         None, "pipeline microbatches per micro-batch (default: pp_stages * pp_virtual)", ge=1
+    )
+    log_depth: bool = _rc(
+        False,
+        "log how far the depth mixing moved: at each evaluation the depth weights' entropy and "
+        "weight on the embedding (a forward on a fixed validation batch), at each logged step the "
+        "RMS of the depth-mixing parameters, their gradient and their update (one process or DDP)",
     )
     activation_checkpointing: bool = _rc(
         False, "recompute every sublayer (its depth read, norm and body) in backward: saves only its sources"
@@ -241,9 +254,21 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite: give at most one of them")
         _check_pipeline_options(self)
+        if self.log_depth:
+            _check_log_depth(self)
         self.data_options()
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
         return self
+
+
+def _check_log_depth(cfg: TrainConfig) -> None:
+    rule = cfg.model.residual.rule
+    if not RULES[rule].has_depth_weights:
+        raise ValueError(f"log_depth: residual={rule!r} has no depth weights to log")
+    if cfg.fsdp or cfg.pp_stages > 1:
+        raise ValueError(
+            "log_depth: needs the whole model on every rank (one process or DDP), not --fsdp / --pp-stages"
+        )
 
 
 def _check_pipeline_options(cfg: TrainConfig) -> None:

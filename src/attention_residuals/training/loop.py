@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from ..parallel.pipelining import PipelinedGPT
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
 from .data import Corpus, eval_batches, get_batch
+from .depth import depth_parameters, depth_weight_summary, parameter_step
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 from .prepare import load_corpus_for
 from .run import (
@@ -338,7 +340,12 @@ def build_state(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None 
             dtype=cfg.dtype,
         )
     optimizer = build_optimizer(
-        model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2)
+        model,
+        cfg.optimizer,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
+        depth_lr_scale=cfg.depth_lr_scale,
     )
     scheduler = build_scheduler(
         optimizer,
@@ -359,6 +366,7 @@ class StepResult:
     loss: float  # mean training loss of its micro-batches, over all ranks
     grad_norm: torch.Tensor  # total gradient norm before clipping
     seconds: float
+    depth: dict[str, float] | None = None  # --log-depth: depth-mixing parameter, gradient, update RMS
 
 
 def micro_batch(ctx: RunContext, state: TrainState, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,11 +420,13 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         grad_norm = state.pp.clip_grad_norm_(cfg.grad_clip)
     else:
         grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
-    if state.scaler is not None:
-        state.scaler.step(state.optimizer)  # skipped when a gradient overflowed
-        state.scaler.update()
-    else:
-        state.optimizer.step()
+    depth = (
+        parameter_step(depth_parameters(state.model), partial(_optimizer_step, state))
+        if cfg.log_depth
+        else None
+    )
+    if depth is None:
+        _optimizer_step(state)
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     # a pipeline's ranks all hold their replica's loss: the mean over the replicas
@@ -425,7 +435,15 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         torch.cuda.synchronize(ctx.device)
     seconds = time.perf_counter() - t0
     state.advance(mean_loss, ctx.tokens_per_step, seconds)
-    return StepResult(lr, mean_loss, grad_norm, seconds)
+    return StepResult(lr, mean_loss, grad_norm, seconds, depth)
+
+
+def _optimizer_step(state: TrainState) -> None:
+    if state.scaler is not None:
+        state.scaler.step(state.optimizer)  # skipped when a gradient overflowed
+        state.scaler.update()
+    else:
+        state.optimizer.step()
 
 
 class MetricsWriter:
@@ -460,20 +478,25 @@ class MetricsWriter:
             }
         )
 
-    def step_row(self, state: TrainState, result: StepResult, val_loss: float | None) -> None:
+    def step_row(
+        self, state: TrainState, result: StepResult, val_loss: float | None, depth: dict | None = None
+    ) -> None:
+        """A step's row; ``depth`` (``--log-depth``): the depth-weight summary of an evaluation
+        step and the step's depth-mixing parameter statistics."""
         tps = state.take_window_rate()
-        self.write(
-            {
-                "step": state.step,
-                "train_loss": result.loss,
-                "val_loss": val_loss,
-                "lr": result.lr,
-                "tokens": state.tokens,
-                "tokens_per_s": None if tps is None else round(tps, 1),
-                "wall_s": round(state.wall(), 3),
-                "grad_norm": float(result.grad_norm),
-            }
-        )
+        row = {
+            "step": state.step,
+            "train_loss": result.loss,
+            "val_loss": val_loss,
+            "lr": result.lr,
+            "tokens": state.tokens,
+            "tokens_per_s": None if tps is None else round(tps, 1),
+            "wall_s": round(state.wall(), 3),
+            "grad_norm": float(result.grad_norm),
+        }
+        if result.depth is not None or depth is not None:
+            row["depth"] = {**(result.depth or {}), **(depth or {})}
+        self.write(row)
 
 
 def evaluate(ctx: RunContext, state: TrainState) -> float:
@@ -494,6 +517,21 @@ def evaluate(ctx: RunContext, state: TrainState) -> float:
     )
     state.record_val(loss)
     return loss
+
+
+def depth_summary(ctx: RunContext, state: TrainState) -> dict:
+    """``--log-depth``: :func:`.depth.depth_weight_summary` on the first validation batch (the
+    same fixed windows every evaluation starts with; no random numbers drawn)."""
+    x, _ = next(
+        iter(eval_batches(ctx.corpus.val, 1, ctx.cfg.batch_size, ctx.cfg.model.seq_len, device=ctx.device))
+    )
+    model = state.model
+    was_training = model.training
+    try:
+        with autocast(ctx.device, ctx.cfg.dtype):
+            return depth_weight_summary(model.eval(), x)
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -628,8 +666,9 @@ def after_step(
         raise RunError(f"{ctx.out}: the training loss became {result.loss} at step {done}; lower --lr?")
     last = done == cfg.steps
     val = evaluate(ctx, state) if _due(done, cfg.eval_interval) or last else None
+    depth = depth_summary(ctx, state) if val is not None and cfg.log_depth else None
     if _due(done, cfg.log_interval) or val is not None or last:
-        metrics.step_row(state, result, val)
+        metrics.step_row(state, result, val, depth)
     if _due(done, cfg.ckpt_interval or cfg.eval_interval) or done == ctx.end or stopping:
         save_state(ctx, state)
 

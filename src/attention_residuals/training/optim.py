@@ -162,19 +162,31 @@ def build_optimizer(
     eps: float = 1e-8,
     momentum: float = 0.95,
     fused: bool | None = None,
+    depth_lr_scale: float = 1.0,
 ) -> torch.optim.Optimizer:
-    """AdamW (``name="adamw"``) or Muon + AdamW (``name="muon"``) over ``model``'s parameters."""
+    """AdamW (``name="adamw"``) or Muon + AdamW (``name="muon"``) over ``model``'s parameters;
+    ``depth_lr_scale != 1`` puts ``model.residual``'s parameters in a group of their own at
+    ``lr * depth_lr_scale`` (at 1 they stay in the no-decay group: the same groups as ever)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {name!r}")
     split = split_params(model)
     adam_kw: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps}
     if fused is not None:
         adam_kw["fused"] = fused
-    if name == "adamw":
-        groups = [
-            _groups(split.matrices + split.decay, weight_decay=weight_decay),
-            _groups(split.no_decay, weight_decay=0.0),
+    no_decay = [_groups(split.no_decay, weight_decay=0.0)]
+    if depth_lr_scale != 1.0:
+        residual = getattr(model, "residual", None)
+        depth = {id(p) for p in residual.parameters()} if isinstance(residual, nn.Module) else set()
+        no_decay = [
+            _groups([(n, p) for n, p in split.no_decay if id(p) not in depth], weight_decay=0.0),
+            _groups(
+                [(n, p) for n, p in split.no_decay if id(p) in depth],
+                weight_decay=0.0,
+                lr=lr * depth_lr_scale,
+            ),
         ]
+    if name == "adamw":
+        groups = [_groups(split.matrices + split.decay, weight_decay=weight_decay), *no_decay]
         return torch.optim.AdamW([g for g in groups if g["params"]], **adam_kw)
     if not split.matrices:
         raise ValueError("optimizer: muon found no 2-D sublayer weight matrices in the model")
@@ -184,7 +196,7 @@ def build_optimizer(
         momentum=momentum,
         adjust_lr_fn="match_rms_adamw",
     )
-    groups = [_groups(split.decay, weight_decay=weight_decay), _groups(split.no_decay, weight_decay=0.0)]
+    groups = [_groups(split.decay, weight_decay=weight_decay), *no_decay]
     adamw = torch.optim.AdamW([g for g in groups if g["params"]], **adam_kw)
     return MuonAdamW(muon, adamw)
 
