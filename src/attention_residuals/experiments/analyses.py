@@ -18,9 +18,9 @@ from ..model import GPT, GPTConfig
 from ..plotting import matplotlib_module, new_figure
 from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
-from ..training.run import checkpoints_in, load_run_checkpoint
+from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
-from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING
+from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING, corpus_tag
 
 __all__ = ["ANALYSES", "DEPTH_FILE", "compute_advantage", "fit_power_law"]
 
@@ -581,6 +581,132 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
     return {"table": out}
 
 
+_TRACKED = ("entropy_ratio", "embedding_weight", "query_logit_scale", "step_over_lr")
+
+
+def _trajectory(run_dir: Path, scale: float) -> dict[str, list[tuple[float, float]]]:
+    """``--log-depth`` rows of a run as ``(fraction of training, value)`` series: the evaluations'
+    depth-weight summary, and each logged step's update RMS over the depth group's lr."""
+    rows = [r for r in read_metrics(run_dir) if r.get("depth")]
+    end = max((r["step"] for r in rows), default=1)
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in _TRACKED}
+    for r in rows:
+        d, t = r["depth"], r["step"] / end
+        for k in _TRACKED[:3]:
+            if k in d:
+                out[k].append((t, d[k]))
+        if "update_rms" in d and r["lr"]:
+            out["step_over_lr"].append((t, d["update_rms"] / (r["lr"] * scale)))
+    return out
+
+
+def _plot_queries(curves: dict[tuple[float, str], list[dict]], path: Path) -> None:
+    labels = {
+        "entropy_ratio": "depth-weight entropy / log n (1 = uniform)",
+        "embedding_weight": "weight on the embedding",
+        "query_logit_scale": "query logit scale ||w||·sqrt(d)",
+        "step_over_lr": "query update RMS / its lr",
+    }
+    budgets = sorted({tpp for tpp, _ in curves})
+    fig = new_figure((4.2 * len(_TRACKED), 3.6 * len(budgets)))
+    axes = fig.subplots(len(budgets), len(_TRACKED), squeeze=False)
+    for row, tpp in enumerate(budgets):
+        for col, key in enumerate(_TRACKED):
+            ax = axes[row][col]
+            for (t, variant), runs in curves.items():
+                if t != tpp:
+                    continue
+                color = None
+                for i, series in enumerate(runs):
+                    pts = series[key]
+                    if pts:
+                        line = ax.plot(
+                            [x for x, _ in pts],
+                            [y for _, y in pts],
+                            "-" if i == 0 else "--",
+                            color=color,
+                            label=variant if i == 0 else None,
+                        )[0]
+                        color = line.get_color()
+            ax.set_title(f"{tpp:g} tokens/param: {labels[key]}", fontsize=8)
+            ax.set_xlabel("fraction of training")
+            if key == "step_over_lr":
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
+    """Final loss, Δ vs PreNorm and vs the same rule at 1x query lr (paired by seed), the depth
+    mixing at the end, and its trajectory over training (seed 0 solid, seed 1 dashed)."""
+    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+    cells = _paired_deltas(todo, summaries, lambda sp: tpp_of[sp.name])
+    curves: dict[tuple[float, str], list[dict]] = {}
+    ends: dict[tuple[float, str], list[dict]] = {}
+    for spec in todo:
+        if spec.overrides.get("log_depth"):
+            run_dir = Path(summaries[spec.name]["run_dir"])
+            series = _trajectory(run_dir, float(spec.overrides.get("depth_lr_scale", 1.0)))
+            curves.setdefault((tpp_of[spec.name], spec.variant), []).append(series)
+            last = [
+                r["depth"]
+                for r in read_metrics(run_dir)
+                if r.get("depth", {}).get("entropy_ratio") is not None
+            ]
+            if last:
+                ends.setdefault((tpp_of[spec.name], spec.variant), []).append(last[-1])
+    _plot_queries(curves, exp_dir / "queries.png")
+    lines = [
+        "| tokens/param | variant | val loss | Δ vs PreNorm | Δ vs 1x query lr | entropy ratio | on embedding "
+        "| logit scale |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = []
+    for tpp, by_var in sorted(cells.items()):
+        base = by_var.get("prenorm", {})
+        for v, losses in by_var.items():
+            mean, std = _mean_std(list(losses.values()))
+            vs_base = _delta_cell(losses, base) if v != "prenorm" and base else None
+            plain = by_var.get(v.removesuffix("_qlr10"), {}) if v.endswith("_qlr10") else None
+            vs_plain = _delta_cell(losses, plain) if plain else None
+            end = {
+                k: float(np.mean([e[k] for e in ends.get((tpp, v), [])])) if ends.get((tpp, v)) else None
+                for k in ("entropy_ratio", "embedding_weight", "query_logit_scale")
+            }
+            rows.append(
+                {
+                    "tokens_per_param": tpp,
+                    "variant": v,
+                    "val_loss": (mean, std),
+                    "vs_prenorm": vs_base,
+                    "vs_1x": vs_plain,
+                    "end": end,
+                    "seeds": sorted(losses),
+                }
+            )
+            fmt = [
+                f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})" if c else "—"
+                for c in (vs_base, vs_plain)
+            ]
+            stats = [f"{end[k]:.3f}" if end[k] is not None else "—" for k in end]
+            lines.append(f"| {tpp:g} | {v} | {mean:.4f} ± {std:.4f} | " + " | ".join(fmt + stats) + " |")
+    lines += [
+        "",
+        f"{corpus_tag(budget.corpora[0]).capitalize()} corpus, {2 * budget.study_shapes[0][1]} sublayers "
+        f"(d {budget.study_shapes[0][0]}), lr {budget.lr:g}, each budget its own cosine schedule. `_qlr10`: the "
+        "depth-mixing parameters (pseudo-queries) at 10x the lr (`--depth-lr-scale 10`). Δ paired by "
+        "seed (mean, then each seed). Depth columns: the last evaluation's summary (deeper half and "
+        "final readout; mean over seeds), as in the budget table. The AttnRes runs log with "
+        "`--log-depth`, which leaves training bit-identical (tested), so their losses are the budget "
+        "study's. Trajectories: queries.png.",
+    ]
+    if "runs_planned" in meta:
+        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"rows": rows}
+
+
 ANALYSES = {
     "scaling": _scaling,
     "ablation": _ablation,
@@ -589,4 +715,5 @@ ANALYSES = {
     "shape": _shape,
     "budget": _budget,
     "lr": _lr,
+    "queries": _queries,
 }

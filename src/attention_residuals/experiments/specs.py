@@ -30,6 +30,7 @@ __all__ = [
     "baseline_params",
     "run_key",
     "specs",
+    "queries_variants",
     "study_variants",
 ]
 
@@ -45,6 +46,7 @@ SUBCOMMANDS: dict[str, str] = {
     "shape": "width vs depth (d_model / n_layer) at about fixed parameters, PreNorm and Block AttnRes",
     "budget": "the AttnRes advantage vs training tokens per parameter (1 to 20), two depths, code and prose corpora",
     "lr": "at the largest budget: each variant at its own best learning rate (a sweep) beside the shared one",
+    "queries": "whether the pseudo-queries learn: depth weights and query steps over training, and a 10x query lr",
     "report": "gather the finished experiments under --root into <root>/README.md",
 }
 EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
@@ -351,6 +353,32 @@ def _lr_specs(budget: Budget) -> list[RunSpec]:
     ]
 
 
+def queries_variants(n_layer: int) -> dict[str, dict]:
+    """The queries study: the baseline, and Block and Full AttnRes logging their depth mixing
+    (``log_depth``, which leaves training bit-identical) at the shared and at 10x the query lr."""
+    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    out: dict[str, dict] = {"prenorm": {"residual": "prenorm"}}
+    for name, rule in (("block", block), ("full", {"residual": "full"})):
+        out[name] = {**rule, "log_depth": True}
+        out[f"{name}_qlr10"] = {**rule, "log_depth": True, "depth_lr_scale": 10.0}
+    return out
+
+
+def _queries_specs(budget: Budget) -> list[RunSpec]:
+    # the shallow model on code at the two largest budgets, the cheaper one first
+    shape = budget.study_shapes[0] if budget.study_shapes else None
+    return (
+        [
+            _study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed)
+            for tpp in budget.tokens_per_param[-2:]
+            for seed in range(budget.seeds)
+            for v, o in queries_variants(shape[1]).items()
+        ]
+        if shape
+        else []
+    )
+
+
 _SPECS = {
     "scaling": _scaling_specs,
     "ablation": _ablation_specs,
@@ -359,6 +387,7 @@ _SPECS = {
     "shape": _shape_specs,
     "budget": _budget_specs,
     "lr": _lr_specs,
+    "queries": _queries_specs,
 }
 
 

@@ -83,6 +83,22 @@ def test_specs_cover_the_report_tables():
         ex.specs("nope", full)
 
 
+def test_queries_study_reuses_the_budget_study_baseline():
+    """The queries study's PreNorm runs are the budget study's (same keys: trained once); its
+    AttnRes runs differ from the budget study's only by ``log_depth`` (and the 10x query lr)."""
+    full = ex.BUDGETS["full"]
+    budget = {s.name: s for s in ex.specs("budget", full)}
+    queries = ex.specs("queries", full)
+    assert {s.variant for s in queries} == {"prenorm", "block", "block_qlr10", "full", "full_qlr10"}
+    for s in queries:
+        twin = budget[s.name.replace("_qlr10", "")]
+        if s.variant == "prenorm":
+            assert ex.run_key(s, "full") == ex.run_key(twin, "full")
+        else:
+            extra = {"log_depth": True, **({"depth_lr_scale": 10.0} if "qlr10" in s.variant else {})}
+            assert s.overrides == {**twin.overrides, **extra}
+
+
 def test_quick_pipeline_end_to_end(tmp_path):
     for name in ex.EXPERIMENTS:
         ex.run_experiment(name, "quick", tmp_path)
@@ -95,6 +111,7 @@ def test_quick_pipeline_end_to_end(tmp_path):
         "analysis/dynamics.png",
         "analysis/depth_weights.png",
         "shape/shape.png",
+        "queries/queries.png",
     ):
         assert (tmp_path / png).stat().st_size > 1000
     scaling = json.loads((tmp_path / "scaling" / "results.json").read_text())
