@@ -285,7 +285,7 @@ def _depth_table(rows: list[dict]) -> list[str]:
     for group, tpp, variant in keys:
         mine = [r for r in rows if (r["group"], r["tokens_per_param"], r["variant"]) == (group, tpp, variant)]
         mean = {
-            k: float(np.mean([r[k] for r in mine]))
+            k: float(np.mean([r[k] if r[k] is not None else math.nan for r in mine]))
             for k in ("entropy_ratio", "embedding_weight", "latest_weight", "query_logit_scale")
         }
         multi = "_h" in variant and not all(r.get("per_head") for r in mine)
@@ -298,10 +298,11 @@ def _depth_table(rows: list[dict]) -> list[str]:
                 f"{mean['latest_weight']:.3f}",
             ]
         )
+        scale = mean["query_logit_scale"]
         lines.append(
             f"| {group} | {tpp:g} | {variant} | "
             + " | ".join(cells)
-            + f" | {mean['query_logit_scale']:.2f} |"
+            + (f" | {scale:.2f} |" if math.isfinite(scale) else " | — |")
         )
     return lines
 
@@ -656,7 +657,8 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
             ]
             if last:
                 ends.setdefault((tpp_of[spec.name], spec.variant), []).append(last[-1])
-    _plot_queries(curves, exp_dir / "queries.png")
+    if curves:  # an interim table may have only the (shared) PreNorm runs finished
+        _plot_queries(curves, exp_dir / "queries.png")
     lines = [
         "| tokens/param | variant | val loss | Δ vs PreNorm | Δ vs 1x query lr | entropy ratio | on embedding "
         "| logit scale |",

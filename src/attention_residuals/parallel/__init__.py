@@ -2,8 +2,9 @@
 
 * :mod:`.dist` — process groups with timeouts, launcher detection, clear errors, local spawn.
 * :mod:`.pipeline` — the pipeline layout and its traffic formulas.
-* :mod:`.pipelining` — pipeline parallel Block AttnRes on ``torch.distributed.pipelining`` (GPipe,
-  1F1B, interleaved 1F1B) with the cross-stage block cache.
+* :mod:`.pipelining` — pipeline parallel training on ``torch.distributed.pipelining`` (GPipe,
+  1F1B, interleaved 1F1B): Block AttnRes with the cross-stage block cache, and Full AttnRes,
+  mixing, mHC-lite and the PreNorm baseline on the same runtime.
 * :mod:`.prefill` — sequence- or hidden-dim sharded and chunked prefill of the block states.
 * :mod:`.kv`, :mod:`.generate` — context parallelism: a KV cache sharded by token, generation on it.
 * :mod:`.tp` — tensor-parallel inference: sharded sublayer weights and KV heads, depth state by token.

@@ -45,8 +45,8 @@ Traffic per token in units of ``d`` elements (:func:`derived_transfers`), with
 
 Other rules. Full AttnRes (and input-independent mixing) keeps every sublayer output ``v_j`` as a
 source: its layout is Block's with ``S = 1`` (each output a block, never a partial), cache
-included. PreNorm (and mHC-lite's streams) hand one tensor across each hop (``hidden``): ``C - 1``
-per token, nothing to cache.
+included. PreNorm and mHC-lite hand their one state across each hop (``hidden``): ``C - 1`` states
+per token (PreNorm's ``h``: ``d`` elements; mHC's ``m`` streams: ``m d``), nothing to cache.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
+    "PIPELINE_HIDDEN",
     "PIPELINE_STATE",
     "SCHEMES",
     "PipelineLayout",
@@ -69,6 +70,8 @@ SCHEMES = ("naive", "cached", "cached_all")
 #: of sources, or one tensor). SWA drops sources out of its window and DenseFormer carries a mix
 #: beside its sources: neither is pipelined.
 PIPELINE_STATE = {"block": "blocks", "full": "values", "mixing": "values", "prenorm": "h", "mhc": "streams"}
+#: the rules whose state is one tensor (a hidden state), not a list of sources
+PIPELINE_HIDDEN = ("prenorm", "mhc")
 
 
 def _check_scheme(scheme: str) -> None:

@@ -1,4 +1,5 @@
-"""Pipeline-parallel Block AttnRes on ``torch.distributed.pipelining``, with the cross-stage cache.
+"""Pipeline-parallel training on ``torch.distributed.pipelining``: Block AttnRes with the
+cross-stage cache, and the other rules it carries.
 
 Full AttnRes and mixing (their sources are Block's with ``S = 1``), PreNorm and mHC-lite (one
 tensor per hop) ride the same runtime, so that the baseline is trained and timed as AttnRes is
@@ -9,8 +10,9 @@ sublayers, chunk ``c`` on rank ``c % P`` as its virtual stage ``c // P``. Each c
 :class:`StageModule` handed to a ``PipelineStage``; the schedule is PyTorch's own
 (``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` for ``V > 1``), so the
 ordering of microbatches, the sends/receives and the backward are torch's. A rank keeps only the
-modules of its chunks (plus the depth-mixing module, a few vectors per sublayer, which every chunk
-reads).
+modules of its chunks (plus the depth-mixing module, which every chunk reads: a few vectors per
+sublayer for the attention rules; mHC-lite's projections, ``[L, m d, 2m + m!]``, are whole on every
+rank too and their gradients all-reduced like the queries').
 
 What a stage sends. A Block AttnRes layer reads all completed blocks ``b_0, b_1, ...`` plus the
 open partial sum, so the state between chunks is that list. A stage's output is the stacked tensor
@@ -64,7 +66,7 @@ from ..connections import ResidualState
 from ..model import GPT, Sublayer
 from .dist import DistributedError, guarded
 from .fsdp import shard_units
-from .pipeline import PIPELINE_STATE, PipelineLayout
+from .pipeline import PIPELINE_HIDDEN, PIPELINE_STATE, PipelineLayout
 
 __all__ = ["PP_SCHEDULES", "PP_SCHEMES", "PipelinedGPT", "StageModule"]
 
@@ -253,7 +255,7 @@ class PipelinedGPT:
             model.residual.block_size if rule == "block" else 1,  # Full's sources: blocks of one
             stages,
             virtual,
-            hidden=PIPELINE_STATE[rule] in ("h", "streams"),
+            hidden=rule in PIPELINE_HIDDEN,
         )
         self._shared = _Shared(
             cache={c: collections.deque() for c in range(self.layout.chunks)},

@@ -9,7 +9,8 @@
 * :mod:`.command` — ``main(argv)``, the ``attnres train`` command;
 * :mod:`.data`, :mod:`.tokenizer`, :mod:`.optim`, :mod:`.checkpoint` — corpora and batches,
   BPE tokenizers, optimizers and schedules, safetensors checkpoints;
-* :mod:`.evaluate`, :mod:`.sample` — ``attnres eval`` and ``attnres sample`` on a run directory.
+* :mod:`.evaluate`, :mod:`.sample` — ``attnres eval`` and ``attnres sample`` on a run directory;
+* :mod:`.depth` — whether the depth mixing learns (``--log-depth``, the budget study's summaries).
 """
 
 from .args import build_parser, config_from_args, read_config

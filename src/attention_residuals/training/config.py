@@ -23,6 +23,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from ..connections import RULES
 from ..model import GPTConfig
 from ..parallel.pipeline import PIPELINE_STATE
@@ -165,7 +167,8 @@ class TrainConfig:
     pp_stages: int = _rc(
         1,
         "pipeline stages, under torchrun with a multiple of this many ranks: pipeline parallel "
-        "(torch.distributed.pipelining, Block AttnRes with the cross-stage block cache; sharded checkpoints), "
+        "(torch.distributed.pipelining; Block AttnRes with the cross-stage block cache, Full, mixing, "
+        "mhc and prenorm on the same runtime, swa and denseformer refused; sharded checkpoints), "
         "world_size / pp_stages data-parallel replicas on a (dp, pp) DeviceMesh",
         ge=1,
     )
@@ -256,9 +259,19 @@ class TrainConfig:
         _check_pipeline_options(self)
         if self.log_depth:
             _check_log_depth(self)
+        if self.depth_lr_scale != 1.0:
+            _check_depth_lr_scale(self)
         self.data_options()
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
         return self
+
+
+def _check_depth_lr_scale(cfg: TrainConfig) -> None:
+    rule = cfg.model.residual.rule
+    with torch.device("meta"):  # the rule's parameters, none allocated
+        connection = RULES[rule](cfg.model.n_sublayers, cfg.model.d_model, config=cfg.model.residual)
+    if not any(True for _ in connection.parameters()):
+        raise ValueError(f"depth_lr_scale: residual={rule!r} has no depth-mixing parameters to scale")
 
 
 def _check_log_depth(cfg: TrainConfig) -> None:

@@ -28,10 +28,11 @@ __all__ = ["depth_parameters", "depth_weight_summary", "parameter_step"]
 
 
 @torch.no_grad()
-def depth_weight_summary(model: GPT, idx: torch.Tensor) -> dict[str, float | bool]:
+def depth_weight_summary(model: GPT, idx: torch.Tensor) -> dict[str, float | bool | None]:
     """The depth weights of ``model`` on ``idx`` ``[B, T]`` in four numbers that compare across
     budgets and head counts (means over the deeper-half sublayers, the final readout and the
-    heads; ``per_head`` marks that each head was summarised on its own)."""
+    heads; ``per_head`` marks that each head was summarised on its own). The logit scale is None
+    for a rule without static pseudo-queries (mixing)."""
     w = model.depth_weights(idx, per_head=True)  # [L + 1, n_columns, heads], NaN: no such source
     L = w.shape[0] - 1
     rows = []
@@ -46,11 +47,7 @@ def depth_weight_summary(model: GPT, idx: torch.Tensor) -> dict[str, float | boo
     queries = (
         model.residual.static_queries(slice(None)) if hasattr(model.residual, "static_queries") else None
     )
-    scale = (
-        float(queries.norm(dim=-1).mean() * model.config.d_model**0.5)
-        if queries is not None
-        else float("nan")
-    )
+    scale = float(queries.norm(dim=-1).mean() * model.config.d_model**0.5) if queries is not None else None
     n = max(len(rows), 1)
     return {
         "entropy_ratio": sum(r[0] for r in rows) / n,

@@ -420,12 +420,10 @@ def train_step(ctx: RunContext, state: TrainState) -> StepResult:
         grad_norm = state.pp.clip_grad_norm_(cfg.grad_clip)
     else:
         grad_norm = clip_grad_norm(state.model.parameters(), cfg.grad_clip)
-    depth = (
-        parameter_step(depth_parameters(state.model), partial(_optimizer_step, state))
-        if cfg.log_depth
-        else None
-    )
-    if depth is None:
+    depth = None
+    if cfg.log_depth and _logged(cfg, state.step + 1):  # the optimizer step of a row to be written
+        depth = parameter_step(depth_parameters(state.model), partial(_optimizer_step, state))
+    else:
         _optimizer_step(state)
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
@@ -521,7 +519,8 @@ def evaluate(ctx: RunContext, state: TrainState) -> float:
 
 def depth_summary(ctx: RunContext, state: TrainState) -> dict:
     """``--log-depth``: :func:`.depth.depth_weight_summary` on the first validation batch (the
-    same fixed windows every evaluation starts with; no random numbers drawn)."""
+    same fixed windows every evaluation starts with; no random numbers drawn). Rank 0 only: it
+    writes the row, and the replicas hold the same weights."""
     x, _ = next(
         iter(eval_batches(ctx.corpus.val, 1, ctx.cfg.batch_size, ctx.cfg.model.seq_len, device=ctx.device))
     )
@@ -657,6 +656,11 @@ def _due(step: int, every: int) -> bool:
     return step % every == 0
 
 
+def _logged(cfg: TrainConfig, step: int) -> bool:
+    """Whether step ``step`` (1-based, done) writes a metrics row."""
+    return _due(step, cfg.log_interval) or _due(step, cfg.eval_interval) or step == cfg.steps
+
+
 def after_step(
     ctx: RunContext, state: TrainState, result: StepResult, metrics: MetricsWriter, stopping: bool
 ) -> None:
@@ -666,8 +670,8 @@ def after_step(
         raise RunError(f"{ctx.out}: the training loss became {result.loss} at step {done}; lower --lr?")
     last = done == cfg.steps
     val = evaluate(ctx, state) if _due(done, cfg.eval_interval) or last else None
-    depth = depth_summary(ctx, state) if val is not None and cfg.log_depth else None
-    if _due(done, cfg.log_interval) or val is not None or last:
+    depth = depth_summary(ctx, state) if val is not None and cfg.log_depth and ctx.is_main else None
+    if _logged(cfg, done):
         metrics.step_row(state, result, val, depth)
     if _due(done, cfg.ckpt_interval or cfg.eval_interval) or done == ctx.end or stopping:
         save_state(ctx, state)

@@ -3,7 +3,8 @@
 * ``adamw`` — AdamW with two groups: weight decay on the 2-D weights (sublayer matrices,
   embedding, LM head); no decay on 1-D parameters (norm gains, biases) and on every parameter of
   the depth-mixing module ``model.residual`` (pseudo-queries, mixing logits...: decaying a
-  zero-initialised query towards zero would fight the very thing AttnRes learns).
+  zero-initialised query towards zero would fight the very thing AttnRes learns). With
+  ``depth_lr_scale != 1`` the depth-mixing parameters get a third group of their own.
 * ``muon`` — ``torch.optim.Muon`` for the 2-D weight matrices of the sublayers (attention and
   MLP projections), AdamW for everything else (embedding, LM head, norms, ``residual.*``). Muon
   uses ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's scaling), so one ``lr`` and one

@@ -99,6 +99,16 @@ def test_queries_study_reuses_the_budget_study_baseline():
             assert s.overrides == {**twin.overrides, **extra}
 
 
+def test_queries_interim_table_with_only_the_baseline_finished(tmp_path):
+    """``--partial`` before any ``--log-depth`` run finished: a table of the baseline, no plot."""
+    budget = ex.BUDGETS["quick"]
+    todo = [s for s in ex.specs("queries", budget) if s.variant == "prenorm"]
+    summaries = {s.name: {"final_val_loss": 5.0 + s.seed, "run_dir": str(tmp_path)} for s in todo}
+    analyses._queries(todo, summaries, tmp_path, budget, {"runs_planned": 10, "runs_finished": len(todo)})
+    table = (tmp_path / "table.md").read_text()
+    assert "| prenorm |" in table and "Interim" in table and not (tmp_path / "queries.png").exists()
+
+
 def test_quick_pipeline_end_to_end(tmp_path):
     for name in ex.EXPERIMENTS:
         ex.run_experiment(name, "quick", tmp_path)
