@@ -670,7 +670,7 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
         for v, losses in by_var.items():
             mean, std = _mean_std(list(losses.values()))
             vs_base = _delta_cell(losses, base) if v != "prenorm" and base else None
-            plain = by_var.get(v.removesuffix("_qlr10"), {}) if v.endswith("_qlr10") else None
+            plain = by_var.get(v.split("_qlr")[0], {}) if "_qlr" in v else None
             vs_plain = _delta_cell(losses, plain) if plain else None
             end = {
                 k: float(np.mean([e[k] for e in ends.get((tpp, v), [])])) if ends.get((tpp, v)) else None
@@ -696,8 +696,8 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
     lines += [
         "",
         f"{corpus_tag(budget.corpora[0]).capitalize()} corpus, {2 * budget.study_shapes[0][1]} sublayers "
-        f"(d {budget.study_shapes[0][0]}), lr {budget.lr:g}, each budget its own cosine schedule. `_qlr10`: the "
-        "depth-mixing parameters (pseudo-queries) at 10x the lr (`--depth-lr-scale 10`). Δ paired by "
+        f"(d {budget.study_shapes[0][0]}), lr {budget.lr:g}, each budget its own cosine schedule. `_qlrK`: the "
+        "depth-mixing parameters (pseudo-queries) at K times the lr (`--depth-lr-scale K`). Δ paired by "
         "seed (mean, then each seed). Depth columns: the last evaluation's summary (deeper half and "
         "final readout; mean over seeds), as in the budget table. The AttnRes runs log with "
         "`--log-depth`, which leaves training bit-identical (tested), so their losses are the budget "

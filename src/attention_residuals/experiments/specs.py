@@ -353,30 +353,37 @@ def _lr_specs(budget: Budget) -> list[RunSpec]:
     ]
 
 
-def queries_variants(n_layer: int) -> dict[str, dict]:
+#: the query learning-rate multiples of the queries study (at its smaller budget; 1 at both)
+QUERY_LR_SCALES = (0.3, 10.0)
+
+
+def queries_variants(n_layer: int, scales: tuple[float, ...] = QUERY_LR_SCALES) -> dict[str, dict]:
     """The queries study: the baseline, and Block and Full AttnRes logging their depth mixing
-    (``log_depth``, which leaves training bit-identical) at the shared and at 10x the query lr."""
+    (``log_depth``, which leaves training bit-identical) at the shared query lr and at ``scales``
+    times it (variant ``<rule>_qlr<scale>``)."""
     block = {"residual": "block", "block_size": _block_size_for(n_layer)}
     out: dict[str, dict] = {"prenorm": {"residual": "prenorm"}}
     for name, rule in (("block", block), ("full", {"residual": "full"})):
         out[name] = {**rule, "log_depth": True}
-        out[f"{name}_qlr10"] = {**rule, "log_depth": True, "depth_lr_scale": 10.0}
+        for scale in scales:
+            out[f"{name}_qlr{scale:g}"] = {**rule, "log_depth": True, "depth_lr_scale": scale}
     return out
 
 
 def _queries_specs(budget: Budget) -> list[RunSpec]:
-    # the shallow model on code at the two largest budgets, the cheaper one first
-    shape = budget.study_shapes[0] if budget.study_shapes else None
-    return (
-        [
-            _study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed)
-            for tpp in budget.tokens_per_param[-2:]
-            for seed in range(budget.seeds)
-            for v, o in queries_variants(shape[1]).items()
-        ]
-        if shape
-        else []
-    )
+    # the shallow model on code: the query lr multiples at the second-largest budget, then the
+    # trajectories at the shared query lr at the largest
+    if not budget.study_shapes:
+        return []
+    shape = budget.study_shapes[0]
+    *_, lower, top = (0.0, *budget.tokens_per_param)
+    return [
+        _study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed)
+        for tpp, scales in ((lower, QUERY_LR_SCALES), (top, ()))
+        if tpp > 0
+        for seed in range(budget.seeds)
+        for v, o in queries_variants(shape[1], scales).items()
+    ]
 
 
 _SPECS = {

@@ -89,13 +89,19 @@ def test_queries_study_reuses_the_budget_study_baseline():
     full = ex.BUDGETS["full"]
     budget = {s.name: s for s in ex.specs("budget", full)}
     queries = ex.specs("queries", full)
-    assert {s.variant for s in queries} == {"prenorm", "block", "block_qlr10", "full", "full_qlr10"}
+    scaled = {f"{r}_qlr{k:g}" for r in ("block", "full") for k in (0.3, 10)}
+    by_tpp = {tpp: {s.variant for s in queries if f"_tpp{tpp}_" in s.name} for tpp in (4, 20)}
+    assert by_tpp == {4: {"prenorm", "block", "full"} | scaled, 20: {"prenorm", "block", "full"}}
     for s in queries:
-        twin = budget[s.name.replace("_qlr10", "")]
+        rule, _, scale = s.name.partition("_qlr")
+        twin = budget[rule + s.name[s.name.rindex("_s") :] if scale else s.name]
         if s.variant == "prenorm":
             assert ex.run_key(s, "full") == ex.run_key(twin, "full")
         else:
-            extra = {"log_depth": True, **({"depth_lr_scale": 10.0} if "qlr10" in s.variant else {})}
+            extra = {
+                "log_depth": True,
+                **({"depth_lr_scale": s.overrides["depth_lr_scale"]} if scale else {}),
+            }
             assert s.overrides == {**twin.overrides, **extra}
 
 
