@@ -101,7 +101,11 @@ def test_one_rank_is_the_model():
     cfg = {**BASE, **RULES["block"]}
     model, idx = make_model(cfg), make_idx(cfg)
     tp = TensorParallelGPT(model)
-    torch.testing.assert_close(_every_position(tp, idx, [10]), model.forward_hidden(idx), rtol=0, atol=1e-6)
+    # float32 roundoff only: the chunked path sums in another order (1.7e-6 on hidden states ~0.2
+    # seen on one AMD EPYC; within 1e-6 on others)
+    torch.testing.assert_close(
+        _every_position(tp, idx, [10]), model.forward_hidden(idx), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_bf16_autocast_stays_close():
