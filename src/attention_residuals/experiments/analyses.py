@@ -516,9 +516,14 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
     return lines
 
 
+def _tokens_per_param(todo) -> dict[str, float]:
+    """Each study run's tokens per parameter, read off its name (``..._tpp<x>_...``)."""
+    return {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+
+
 def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
-    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+    tpp_of = _tokens_per_param(todo)
     rows = _budget_rows(todo, summaries, tpp_of)
     _plot_budget(rows, exp_dir / "budget.png")
     depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
@@ -641,7 +646,7 @@ def _plot_queries(curves: dict[tuple[float, str], list[dict]], path: Path) -> No
 def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
     """Final loss, Δ vs PreNorm and vs the same rule at 1x query lr (paired by seed), the depth
     mixing at the end, and its trajectory over training (seed 0 solid, seed 1 dashed)."""
-    tpp_of = {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
+    tpp_of = _tokens_per_param(todo)
     cells = _paired_deltas(todo, summaries, lambda sp: tpp_of[sp.name])
     curves: dict[tuple[float, str], list[dict]] = {}
     ends: dict[tuple[float, str], list[dict]] = {}

@@ -470,3 +470,80 @@ def test_flat_names_must_be_unique_and_train_config_is_flat_as_before():
     from attention_residuals import train as entry  # the `attnres train` / torchrun entry module
 
     assert entry.train is train and entry.make_config is make_config and callable(entry.main)
+
+
+# --------------------------------------------------------------------------- --log-depth, --depth-lr-scale
+
+DEPTH = {"residual": "block", "block_size": 2}  # a rule with depth weights and pseudo-queries
+
+
+def test_log_depth_records_and_leaves_training_bit_identical(tmp_path, corpus):
+    train(tiny(tmp_path / "plain", **DEPTH), corpus=corpus)
+    train(tiny(tmp_path / "logged", log_depth=True, **DEPTH), corpus=corpus)
+    plain, logged = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "logged")
+    keys = ("step", "train_loss", "val_loss", "lr", "grad_norm")
+    assert [[r.get(k) for k in keys] for r in plain] == [[r.get(k) for k in keys] for r in logged]
+    wa = read_checkpoint(tmp_path / "plain" / "checkpoint.safetensors")[0]
+    wb = read_checkpoint(tmp_path / "logged" / "checkpoint.safetensors")[0]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if k.startswith(("model/", "optimizer/")))
+    steps = {r["step"]: r.get("depth") for r in logged}
+    assert steps[0] is None and all("depth" not in r for r in plain)
+    for step in (5, 10, 15, 20):
+        d = steps[step]
+        assert d["param_rms"] > 0 and d["grad_rms"] > 0 and d["update_rms"] > 0
+        assert ("entropy_ratio" in d) == (step % 10 == 0)  # the weights at evaluations only
+    last = steps[20]
+    assert (
+        0 < last["entropy_ratio"] < 1 and 0 < last["embedding_weight"] < 1 and last["query_logit_scale"] > 0
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"residual": "prenorm", "block_size": None}, "log_depth: residual='prenorm' has no depth weights"),
+        ({"fsdp": True}, "log_depth: needs the whole model on every rank"),
+        (
+            {"log_depth": False, "residual": "prenorm", "block_size": None, "depth_lr_scale": 3.0},
+            "depth_lr_scale: residual='prenorm' has no depth-mixing parameters",
+        ),
+        ({"depth_lr_scale": 0.0}, "depth_lr_scale"),
+    ],
+)
+def test_log_depth_refusals_name_the_option(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(tmp_path / "r", **{**DEPTH, "log_depth": True, **kw}).validate()
+
+
+def test_depth_lr_scale_speeds_the_queries_only(tmp_path, corpus):
+    """At 10x the rate the queries move 10x further in the first step (Adam's first step from zero
+    is lr * sign(grad)); every other weight is unchanged (the groups step independently)."""
+    runs = {}
+    for scale in (1.0, 10.0):
+        out = tmp_path / f"s{scale:g}"
+        train(
+            tiny(out, steps=1, warmup=0, eval_interval=1, log_interval=1, depth_lr_scale=scale, **DEPTH),
+            corpus=corpus,
+        )
+        runs[scale] = read_checkpoint(out / "checkpoint.safetensors")[0]
+    for k in runs[1.0]:
+        if not k.startswith("model/"):
+            continue
+        if k.startswith("model/residual."):
+            assert runs[1.0][k].abs().max() > 0
+            torch.testing.assert_close(runs[10.0][k], 10 * runs[1.0][k], rtol=1e-3, atol=1e-7, msg=k)
+        else:
+            assert torch.equal(runs[1.0][k], runs[10.0][k]), k
+
+
+def test_log_depth_of_a_rule_without_static_queries_writes_valid_json(tmp_path, corpus):
+    train(tiny(tmp_path / "mix", residual="mixing", log_depth=True), corpus=corpus)
+    rows = [r["depth"] for r in read_metrics(tmp_path / "mix") if "entropy_ratio" in r.get("depth", {})]
+    assert rows and all(d["query_logit_scale"] is None for d in rows)
+    assert "NaN" not in (tmp_path / "mix" / "metrics.jsonl").read_text()
+
+
+def test_log_depth_rows_only_on_logged_steps(tmp_path, corpus):
+    """The per-step statistics are taken only on the steps that write a row."""
+    train(tiny(tmp_path / "r", log_depth=True, eval_interval=6, steps=12, **DEPTH), corpus=corpus)
+    assert [r["step"] for r in read_metrics(tmp_path / "r") if "depth" in r] == [5, 6, 10, 12]
