@@ -27,7 +27,8 @@ set away from its default with a rule that does not read it is an error. The att
 (``full``, ``block``, ``swa``) take ``query="static"|"input"|"lowrank"``,
 ``normalize="softmax"|"sigmoid"``, ``depth_heads`` and ``key_norm`` (``key_norm_gain``). Every rule
 has one more query / weight row for the final readout (index ``L``). Queries are zero-initialised,
-so at step 0 every attention layer sees the mean of its sources.
+so at step 0 every attention layer sees the mean of its sources (``query_init_std`` > 0 draws them
+from a normal instead: an ablation).
 
 "Heads" here are always *depth-attention* heads (``depth_heads``: d split into groups, one
 pseudo-query slice and one softmax over depth each), never the model's attention heads (``n_head``).
@@ -100,6 +101,11 @@ class ResidualConfig:
         "as production AttnRes has; folded into the query: w.(g*k) = (g*w).k",
     )
     query_rank: int = option(8, "lowrank query: rank")
+    query_init_std: float = option(
+        0.0,
+        "std of a normal initialisation of the pseudo-queries (0: zero, as the report: every "
+        "depth mix starts as the mean of its sources)",
+    )
     window: int = option(8, "swa: number of most recent sources attended")
     streams: int = option(4, "mhc: number of residual streams m (1..6)")
     intra_gate: bool = option(False, "block: gate the intra-block partial sum (2 sigmoid(c_l), init 1)")
@@ -127,6 +133,8 @@ class ResidualConfig:
                 f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} "
                 f"with query={self.query!r}"
             )
+        if not (math.isfinite(self.query_init_std) and self.query_init_std >= 0):
+            raise ValueError(f"query_init_std: expected a finite number >= 0, got {self.query_init_std!r}")
         if self.key_norm_gain and not self.key_norm:
             raise ValueError("key_norm_gain: a gain of the key RMSNorm needs key_norm=True")
         if self.block_size is not None and self.n_blocks is not None:
@@ -188,6 +196,10 @@ class Connection(nn.Module):
         super().__init__()
         self.n_layers, self.d_model, self.eps = n_layers, d_model, eps
         self.config = config if config is not None else ResidualConfig(type(self).rule)
+
+    def init_random(self) -> None:
+        """Draw the rule's random initial values (none by default). The model calls it after
+        drawing its own weights, so a variant that draws here keeps the rest of its twin's start."""
 
     def init_state(
         self, embedding: torch.Tensor, schedule: str = "plain", record: bool = False
@@ -273,7 +285,15 @@ class DepthAttentionResidual(Connection):
     """
 
     has_depth_weights = True
-    options = ("query", "normalize", "depth_heads", "key_norm", "key_norm_gain", "query_rank")
+    options = (
+        "query",
+        "normalize",
+        "depth_heads",
+        "key_norm",
+        "key_norm_gain",
+        "query_rank",
+        "query_init_std",
+    )
 
     def __init__(
         self, n_layers: int, d_model: int, eps: float = 1e-6, config: ResidualConfig | None = None
@@ -304,6 +324,10 @@ class DepthAttentionResidual(Connection):
         self.supports_two_phase = (
             type(self).prefix_sources and c.query == "static" and c.normalize == "softmax"
         )
+
+    def init_random(self) -> None:
+        if self.config.query_init_std > 0:
+            nn.init.normal_(self.queries, mean=0.0, std=self.config.query_init_std)
 
     #: whether every layer's sources start with all sources known at its group's first layer
     prefix_sources = False

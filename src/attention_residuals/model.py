@@ -278,6 +278,7 @@ class GPT(nn.Module):
         for layer in self.layers:
             out = layer.proj if isinstance(layer, CausalSelfAttention) else layer.down
             nn.init.normal_(out.weight, mean=0.0, std=std / math.sqrt(len(self.layers)))
+        self.residual.init_random()
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -41,6 +41,30 @@ def test_residual_config_is_frozen_and_checks_itself():
         ResidualConfig("mhc", key_norm_gain=True)
 
 
+def test_query_init_std_draws_only_the_queries():
+    """``query_init_std`` > 0 draws the pseudo-queries after every other weight, so the rest of the
+    model is its zero-init twin's at the same seed; 0 (the default) keeps them zero."""
+    cfg = dict(n_layer=2, n_head=2, d_model=16, seq_len=8, residual="block", block_size=2)
+    torch.manual_seed(3)
+    zero = GPT(GPTConfig(**cfg))
+    torch.manual_seed(3)
+    drawn = GPT(GPTConfig(**cfg, query_init_std=0.25))
+    assert torch.count_nonzero(zero.residual.queries) == 0
+    assert 0.15 < float(drawn.residual.queries.detach().std()) < 0.35
+    others = {k: v for k, v in drawn.state_dict().items() if k != "residual.queries"}
+    assert others.keys() and all(torch.equal(v, zero.state_dict()[k]) for k, v in others.items())
+    with torch.no_grad():  # a query away from zero: the depth mix no longer starts as the mean
+        x = torch.randint(0, 256, (1, 8))
+        assert not torch.allclose(zero(x)[0], drawn(x)[0])
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="query_init_std: expected a finite number >= 0"):
+            ResidualConfig("full", query_init_std=bad)
+    with pytest.raises(
+        ValueError, match=r"query_init_std: only used by residual in \('full', 'block', 'swa'\)"
+    ):
+        ResidualConfig("prenorm", query_init_std=0.1)
+
+
 def test_flat_and_nested_spellings_are_one_config():
     nested = GPTConfig(
         d_model=32, n_layer=2, n_head=2, residual=ResidualConfig("block", n_blocks=2, depth_heads=2)

@@ -20,7 +20,7 @@ from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
-from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING, corpus_tag
+from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING, baseline_params, block_size_for, corpus_tag
 
 __all__ = ["ANALYSES", "DEPTH_FILE", "compute_advantage", "fit_power_law"]
 
@@ -170,12 +170,23 @@ def _verdict(delta: float, spread: float) -> str:
     return "within noise" if abs(delta) <= spread else ("better" if delta < 0 else "worse")
 
 
-def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
+def _interim(meta: dict) -> list[str]:
+    """The line that marks a ``--partial`` table (none when every planned run finished)."""
+    if "runs_planned" not in meta:
+        return []
+    return ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+
+
+def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[str]]:
+    """Each variant's mean ± std and Δ vs the baseline (with ``paired``: also each seed's Δ, paired by
+    seed), a verdict against the seed spread, and the report's number beside it."""
     table = _seeded_table(todo, summaries)
     base = table["baseline"]
+    by_seed = _paired_deltas(todo, summaries, lambda spec: "all")["all"] if paired else {}
+    seed_col = " Δ per seed |" if paired else ""
     lines = [
-        "| variant | val loss (mean ± std) | Δ vs baseline | verdict | report | report Δ |",
-        "|---|---|---|---|---|---|",
+        f"| variant | val loss (mean ± std) | Δ vs baseline |{seed_col} verdict | report | report Δ |",
+        "|---" * (6 + paired) + "|",
     ]
     for v, r in table.items():
         delta = r["mean"] - base["mean"]
@@ -184,9 +195,41 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         rep_s = f"{rep:.3f}" if rep else "—"
         rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
         r.update(delta=delta, verdict="reference" if v == "baseline" else _verdict(delta, spread))
+        seeds = ""
+        if paired:
+            r["per_seed"] = _delta_cell(by_seed[v], by_seed["baseline"])["per_seed"]
+            seeds = " " + (", ".join(f"{d:+.4f}" for d in r["per_seed"]) if v != "baseline" else "—") + " |"
         lines.append(
-            f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} | {r['verdict']} | {rep_s} | {rep_d} |"
+            f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} |{seeds} {r['verdict']} | {rep_s} | {rep_d} |"
         )
+    return table, lines
+
+
+def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
+    table, lines = _ablation_table(todo, summaries)
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return {"table": table}
+
+
+def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
+    """The ablation at the budget study's largest budget, Δ paired by seed, and what it was run at."""
+    table, lines = _ablation_table(todo, summaries, paired=True)
+    d, n_layer, n_head = budget.study_shapes[0]
+    some = todo[0]
+    lines += [
+        "",
+        f"{corpus_tag(budget.corpora[0]).capitalize()} corpus; the budget study's model: {2 * n_layer} "
+        f"sublayers, d {d}, {n_head} attention heads, {baseline_params(d, n_layer, n_head):,} parameters; "
+        f"{_tokens_per_param(todo)[some.name]:g} tokens/param ({some.overrides['steps']} steps, "
+        f"{summaries[some.name]['tokens']:,} tokens), its own cosine schedule (warmup 5 %), lr "
+        f"{budget.lr:g} for every variant; Block rows at S = {block_size_for(n_layer)} "
+        f"({2 * n_layer // block_size_for(n_layer)} blocks). baseline, full, block_s{block_size_for(n_layer)} "
+        f"and the _h{n_head} rows are the budget study's runs. block_query_init: pseudo-queries drawn "
+        f"from N(0, 1/d) instead of zero (the rest of the start is its zero-init twin's); block_key_gain: a "
+        "learnable gain in the key RMSNorm. Verdict: |Δ| against the larger seed std. The report column "
+        "is its 48B ablation (Block at S = 4 of its depth) — a different scale, for direction only.",
+    ]
+    lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -509,10 +552,15 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         "",
         "Δ = variant − PreNorm final validation loss, paired by seed: the mean, then each seed's Δ in "
         "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
-        f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model.",
+        f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model. "
+        + "; ".join(
+            f"L{2 * n}: d {d}, {n} blocks, {h} attention heads, {baseline_params(d, n, h):,} parameters, "
+            f"Block S = {block_size_for(n)}"
+            for d, n, h in budget.study_shapes
+        )
+        + ".",
     ]
-    if "runs_planned" in meta:
-        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    lines += _interim(meta)
     return lines
 
 
@@ -581,8 +629,7 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
         f"Val loss mean ± std over seeds; the shared lr is {budget.lr:g}. Δ = variant − PreNorm paired by "
         "seed, at the shared lr and with each variant (PreNorm included) at its own best lr."
     ]
-    if "runs_planned" in meta:
-        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": out}
 
@@ -708,8 +755,7 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
         "`--log-depth`, which leaves training bit-identical (tested), so their losses are the budget "
         "study's. Trajectories: queries.png.",
     ]
-    if "runs_planned" in meta:
-        lines += ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
+    lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"rows": rows}
 
@@ -717,6 +763,7 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
 ANALYSES = {
     "scaling": _scaling,
     "ablation": _ablation,
+    "long-ablation": _long_ablation,
     "blocksize": _blocksize,
     "analysis": _analysis,
     "shape": _shape,

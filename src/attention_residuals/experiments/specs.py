@@ -28,6 +28,8 @@ __all__ = [
     "RunSpec",
     "ablation_variants",
     "baseline_params",
+    "block_size_for",
+    "long_ablation_variants",
     "run_key",
     "specs",
     "queries_variants",
@@ -41,6 +43,7 @@ PFLOPS_DAY = 8.64e19
 SUBCOMMANDS: dict[str, str] = {
     "scaling": "loss vs compute over several model sizes (PreNorm, Full, Block AttnRes, mHC), power-law fits",
     "ablation": "the report's ablation rows (and two of ours) on one model, against the PreNorm baseline",
+    "long-ablation": "the ablation rows, and what could explain a shrinking lead, on the budget study's model at 20 tokens/param",
     "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
     "analysis": "hidden-state magnitudes, gradient norms and depth weights of three trained models",
     "shape": "width vs depth (d_model / n_layer) at about fixed parameters, PreNorm and Block AttnRes",
@@ -137,8 +140,10 @@ BUDGETS: dict[str, Budget] = {
         mid=(96, 8, 4),
         # ~0.8-1.0 M non-embedding parameters each (12 L d^2), d_model / L from 3.6 to 32
         shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
-        # d 64 at 12 and 24 sublayers (0.34M / 0.64M parameters); 20 tokens/param ~ 6.7M / 13M tokens
-        study_shapes=((64, 6, 4), (64, 12, 4)),
+        # 12 and 24 sublayers at matched parameters (d 64: 353,088; d 48: 357,552), so depth is what
+        # differs; 20 tokens/param ~ 7.1M tokens each. (d 64 at 24 sublayers, 0.67M parameters,
+        # would cost ~4x the 12-sublayer runs: ~100 core-minutes a run at 20 tokens/param.)
+        study_shapes=((64, 6, 4), (48, 12, 4)),
         tokens_per_param=(1.0, 4.0, 20.0),
         corpora=("stdlib", "stdlib-docs"),
         lrs=(1e-3, 3e-3, 1e-2),
@@ -150,36 +155,53 @@ def _model(d: int, n_layer: int, n_head: int) -> dict:
     return {"d_model": d, "n_layer": n_layer, "n_head": n_head}
 
 
-def _block_size_for(n_layer: int, n_blocks: int = 8) -> int:
+def block_size_for(n_layer: int, n_blocks: int = 8) -> int:
     """S for N ~ 8 blocks, never 1 (S = 1 would be Full AttnRes itself)."""
     return max(2, math.ceil(2 * n_layer / n_blocks))
 
 
-def ablation_variants(n_layer: int, d_model: int) -> dict[str, dict]:
-    """The rows of the report's table 4 (plus two of ours from the critique's open problems)."""
+def ablation_variants(n_layer: int, d_model: int, block_size: int = 4) -> dict[str, dict]:
+    """The rows of the report's table 4 (plus two of ours from the critique's open problems), the
+    Block rows at ``block_size``."""
     heads = 16 if d_model % 16 == 0 else 8
+    block = {"residual": "block", "block_size": block_size}
     return {
         "baseline": {"residual": "prenorm"},
         "denseformer": {"residual": "denseformer"},
         "mhc": {"residual": "mhc"},
         "full": {"residual": "full"},
-        "block_s4": {"residual": "block", "block_size": 4},
+        f"block_s{block_size}": block,
         "swa_w8": {"residual": "swa", "window": 8},
         "input_query": {"residual": "full", "query": "input"},
         "mixing": {"residual": "mixing"},
         "sigmoid": {"residual": "full", "normalize": "sigmoid"},
-        "multihead": {"residual": "block", "block_size": 4, "depth_heads": heads},
+        "multihead": {**block, "depth_heads": heads},
         "full_no_keynorm": {"residual": "full", "key_norm": False},
-        "block_no_keynorm": {"residual": "block", "block_size": 4, "key_norm": False},
-        "ours_lowrank_query": {"residual": "block", "block_size": 4, "query": "lowrank", "query_rank": 8},
-        "ours_intra_gate": {"residual": "block", "block_size": 4, "intra_gate": True},
+        "block_no_keynorm": {**block, "key_norm": False},
+        "ours_lowrank_query": {**block, "query": "lowrank", "query_rank": 8},
+        "ours_intra_gate": {**block, "intra_gate": True},
+    }
+
+
+def long_ablation_variants(n_layer: int, d_model: int, n_head: int) -> dict[str, dict]:
+    """The ablation rows on the budget study's model, its Block at the study's block size, plus
+    the knobs that could explain a lead shrinking with budget, each one change from Block: the
+    pseudo-queries drawn at std 1/sqrt(d) instead of zero (logits of std ~1 at step 0: the mix
+    starts away from uniform) and a learnable key-norm gain (production AttnRes has one). The
+    study's multi-head rows (``depth_heads = n_head``) stand beside the report's 16-head row."""
+    block = {"residual": "block", "block_size": block_size_for(n_layer)}
+    return {
+        **ablation_variants(n_layer, d_model, block["block_size"]),
+        **{v: o for v, o in study_variants(n_layer, n_head).items() if v.endswith(f"_h{n_head}")},
+        "block_query_init": {**block, "query_init_std": round(d_model**-0.5, 4)},
+        "block_key_gain": {**block, "key_norm_gain": True},
     }
 
 
 def study_variants(n_layer: int, n_head: int) -> dict[str, dict]:
     """The budget study's variants: the baseline, Block (N ~ 8) and Full AttnRes, each with one
     pseudo-query and with one per attention head (``heads = n_head``: d / H as in attention)."""
-    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    block = {"residual": "block", "block_size": block_size_for(n_layer)}
     return {
         "prenorm": {"residual": "prenorm"},
         "block": block,
@@ -277,7 +299,7 @@ def _scaling_specs(budget: Budget) -> list[RunSpec]:
         variants = {
             "prenorm": {"residual": "prenorm"},
             "full": {"residual": "full"},
-            "block": {"residual": "block", "block_size": _block_size_for(n_layer)},
+            "block": {"residual": "block", "block_size": block_size_for(n_layer)},
             "mhc": {"residual": "mhc"},
         }
         for seed in range(budget.seeds):
@@ -293,6 +315,20 @@ def _ablation_specs(budget: Budget) -> list[RunSpec]:
         RunSpec(f"{v}_s{seed}", v, {**_model(d, n_layer, n_head), **o}, seed)
         for seed in range(budget.seeds)
         for v, o in ablation_variants(n_layer, d).items()
+    ]
+
+
+def _long_ablation_specs(budget: Budget) -> list[RunSpec]:
+    # the budget study's first model and corpus at its largest budget: the baseline, Full, Block and
+    # the multi-head rows are the budget study's own runs (same keys: trained once)
+    if not budget.study_shapes:
+        return []
+    shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
+    variants = long_ablation_variants(shape[1], shape[0], shape[2])
+    return [
+        dataclasses.replace(_study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed), group="")
+        for seed in range(budget.seeds)
+        for v, o in variants.items()
     ]
 
 
@@ -314,7 +350,7 @@ def _blocksize_specs(budget: Budget) -> list[RunSpec]:
 
 def _analysis_specs(budget: Budget) -> list[RunSpec]:
     d, n_layer, n_head = budget.mid
-    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    block = {"residual": "block", "block_size": block_size_for(n_layer)}
     variants = {"baseline": {"residual": "prenorm"}, "full": {"residual": "full"}, "block": block}
     return [RunSpec(v, v, {**_model(d, n_layer, n_head), **o}, 0) for v, o in variants.items()]
 
@@ -322,7 +358,7 @@ def _analysis_specs(budget: Budget) -> list[RunSpec]:
 def _shape_specs(budget: Budget) -> list[RunSpec]:
     out = []
     for d, n_layer, n_head in budget.shapes:
-        block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+        block = {"residual": "block", "block_size": block_size_for(n_layer)}
         for v, o in {"prenorm": {"residual": "prenorm"}, "block": block}.items():
             group = f"d{d}_l{n_layer}"
             out.append(RunSpec(f"{group}_{v}", v, {**_model(d, n_layer, n_head), **o}, 0, group))
@@ -361,7 +397,7 @@ def queries_variants(n_layer: int, scales: tuple[float, ...] = QUERY_LR_SCALES) 
     """The queries study: the baseline, and Block and Full AttnRes logging their depth mixing
     (``log_depth``, which leaves training bit-identical) at the shared query lr and at ``scales``
     times it (variant ``<rule>_qlr<scale>``)."""
-    block = {"residual": "block", "block_size": _block_size_for(n_layer)}
+    block = {"residual": "block", "block_size": block_size_for(n_layer)}
     out: dict[str, dict] = {"prenorm": {"residual": "prenorm"}}
     for name, rule in (("block", block), ("full", {"residual": "full"})):
         out[name] = {**rule, "log_depth": True}
@@ -389,6 +425,7 @@ def _queries_specs(budget: Budget) -> list[RunSpec]:
 _SPECS = {
     "scaling": _scaling_specs,
     "ablation": _ablation_specs,
+    "long-ablation": _long_ablation_specs,
     "blocksize": _blocksize_specs,
     "analysis": _analysis_specs,
     "shape": _shape_specs,

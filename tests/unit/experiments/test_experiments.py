@@ -1,5 +1,6 @@
 """The experiment pipeline end to end on the quick budget (checks plumbing, not the numbers)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 
 from attention_residuals import experiments as ex
 from attention_residuals.experiments import analyses, runner
+from attention_residuals.experiments.specs import ablation_variants
 
 
 def test_fit_power_law_recovers_parameters():
@@ -103,6 +105,44 @@ def test_queries_study_reuses_the_budget_study_baseline():
                 **({"depth_lr_scale": s.overrides["depth_lr_scale"]} if scale else {}),
             }
             assert s.overrides == {**twin.overrides, **extra}
+
+
+def test_long_ablation_shares_the_budget_study_runs():
+    """The long ablation's baseline, Full, Block and multi-head rows are the budget study's runs at
+    its largest budget (same keys: trained once); every other row is the ablation's, at the study's
+    model and budget, and each knob row is one option away from Block."""
+    full = ex.BUDGETS["full"]
+    budget = {ex.run_key(s, "full") for s in ex.specs("budget", full) if "_tpp20_" in s.name}
+    rows = ex.specs("long-ablation", full)
+    shared = {s.variant for s in rows if ex.run_key(s, "full") in budget}
+    assert shared == {"baseline", "full", "block_s2", "block_h4", "full_h4"}
+    assert set(ablation_variants(6, 64, 2)) <= {s.variant for s in rows}
+    assert {s.seed for s in rows} == {0, 1} and len({ex.run_key(s, "full") for s in rows}) == len(rows)
+    block = next(s for s in rows if s.variant == "block_s2").overrides
+    for name, extra in (
+        ("block_query_init", {"query_init_std": 0.125}),
+        ("block_key_gain", {"key_norm_gain": True}),
+    ):
+        assert next(s for s in rows if s.variant == name).overrides == {**block, **extra}
+
+
+def test_long_ablation_interim_table(tmp_path):
+    """``--partial``: the rows finished so far, Δ paired by seed, and the interim line."""
+    budget = dataclasses.replace(ex.BUDGETS["quick"], seeds=2)
+    todo = [s for s in ex.specs("long-ablation", budget) if s.variant in ("baseline", "mhc")]
+    summaries = {
+        s.name: {
+            "final_val_loss": 3.0 - 0.1 * s.seed - 0.05 * (s.variant == "mhc"),
+            "tokens": 10,
+            "run_dir": "",
+        }
+        for s in todo
+    }
+    meta = {"runs_planned": 36, "runs_finished": len(todo)}
+    out = analyses.ANALYSES["long-ablation"](todo, summaries, tmp_path, budget, meta)
+    table = (tmp_path / "table.md").read_text()
+    assert "| mhc | 2.9000 ± 0.0707 | -0.0500 | -0.0500, -0.0500 | within noise |" in table
+    assert "Interim: 4 of 36" in table and out["table"]["mhc"]["per_seed"] == pytest.approx([-0.05, -0.05])
 
 
 def test_queries_interim_table_with_only_the_baseline_finished(tmp_path):

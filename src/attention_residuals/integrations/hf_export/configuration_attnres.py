@@ -22,6 +22,7 @@ RESIDUAL_DEFAULTS = {
     "key_norm": True,
     "key_norm_gain": False,
     "query_rank": 8,
+    "query_init_std": 0.0,
     "window": 8,
     "streams": 4,
     "intra_gate": False,

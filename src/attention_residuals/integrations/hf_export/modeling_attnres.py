@@ -181,7 +181,10 @@ class DepthAttention(_Rule):
             self.gate_logits = nn.Parameter(torch.zeros(n))
 
     def reset_parameters(self) -> None:
-        _init.zeros_(self.queries)
+        if self.options["query_init_std"] > 0:
+            _init.normal_(self.queries, mean=0.0, std=self.options["query_init_std"])
+        else:
+            _init.zeros_(self.queries)
         if hasattr(self, "key_gain"):
             _init.ones_(self.key_gain)
         if hasattr(self, "query_proj"):
