@@ -118,6 +118,30 @@ def _plot_scaling(rows: list[dict], fits: dict, path: Path) -> None:
 
 
 def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
+    out, lines = _scaling_tables(todo, summaries, exp_dir, budget)
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
+    """The scaling tables with every size at the study's largest budget, where the early-regime
+    sweep trains ~0.3-2 tokens/param."""
+    out, lines = _scaling_tables(todo, summaries, exp_dir, budget)
+    tpp = sorted(set(_tokens_per_param(todo).values()))
+    lines += [
+        "",
+        f"Every size trains {', '.join(f'{t:g}' for t in tpp)} tokens per (PreNorm) parameter with its own "
+        f"cosine schedule (warmup 5 %), lr {budget.lr:g}, on the {corpus_tag(budget.corpora[0])} corpus; "
+        f"Block at S for ~8 blocks. The {'x'.join(map(str, budget.study_shapes[0][:2]))} (d x blocks) "
+        "runs are the budget study's.",
+    ]
+    lines += _interim(meta)
+    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
+    """The per-point table, the power-law fits and compute advantages, and the plot."""
     rows = _scaling_rows(todo, summaries)
     by_variant: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
@@ -148,13 +172,12 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
         rep = REPORT_SCALING.get(v)
         rep_s = f"{rep[0]}, {rep[1]}" if rep else "—"
         lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {advantage.get(v, float('nan')):.2f}× | {rep_s} |")
-    (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {
         "rows": rows,
         "fits": {v: {"A": a, "alpha": al} for v, (a, al) in fits.items()},
         "advantage_at_max_compute": advantage,
         "max_compute_pfs_days": cmax,
-    }
+    }, lines
 
 
 def _seeded_table(todo, summaries) -> dict[str, dict]:
@@ -762,6 +785,7 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
 
 ANALYSES = {
     "scaling": _scaling,
+    "long-scaling": _long_scaling,
     "ablation": _ablation,
     "long-ablation": _long_ablation,
     "blocksize": _blocksize,

@@ -42,6 +42,7 @@ PFLOPS_DAY = 8.64e19
 # `attnres experiment --help` list them from here; add an experiment by adding a line (and its specs).
 SUBCOMMANDS: dict[str, str] = {
     "scaling": "loss vs compute over several model sizes (PreNorm, Full, Block AttnRes, mHC), power-law fits",
+    "long-scaling": "the scaling fit and compute advantage again, every size at 20 tokens/param (PreNorm, Full, Block)",
     "ablation": "the report's ablation rows (and two of ours) on one model, against the PreNorm baseline",
     "long-ablation": "the ablation rows, and what could explain a shrinking lead, on the budget study's model at 20 tokens/param",
     "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
@@ -105,6 +106,8 @@ class Budget:
     warmup: int = 50
     # the budget study: model shapes (d_model, n_layer, n_head), tokens per parameter, corpora, lr sweep
     study_shapes: tuple[tuple[int, int, int], ...] = ()
+    # the scaling sweep at the study's largest budget (long-scaling), smallest first
+    long_sizes: tuple[tuple[int, int, int], ...] = ()
     tokens_per_param: tuple[float, ...] = ()
     corpora: tuple[str, ...] = ("stdlib",)
     lrs: tuple[float, ...] = ()
@@ -124,6 +127,7 @@ BUDGETS: dict[str, Budget] = {
         shapes=((32, 4, 2), (48, 2, 2)),
         warmup=2,
         study_shapes=((16, 1, 2), (16, 2, 2)),
+        long_sizes=((16, 1, 2), (24, 1, 2)),
         tokens_per_param=(0.02, 0.05),
         corpora=("stdlib", "stdlib-docs"),
         lrs=(1e-3, 3e-3),
@@ -144,6 +148,8 @@ BUDGETS: dict[str, Budget] = {
         # differs; 20 tokens/param ~ 7.1M tokens each. (d 64 at 24 sublayers, 0.67M parameters,
         # would cost ~4x the 12-sublayer runs: ~100 core-minutes a run at 20 tokens/param.)
         study_shapes=((64, 6, 4), (48, 12, 4)),
+        # 49k-739k parameters, ~2.2-2.8x apart; (64, 6, 4) is the study's model (its runs are shared)
+        long_sizes=((32, 2, 4), (48, 4, 4), (64, 6, 4), (80, 8, 4)),
         tokens_per_param=(1.0, 4.0, 20.0),
         corpora=("stdlib", "stdlib-docs"),
         lrs=(1e-3, 3e-3, 1e-2),
@@ -309,6 +315,23 @@ def _scaling_specs(budget: Budget) -> list[RunSpec]:
     return out
 
 
+def _long_scaling_specs(budget: Budget) -> list[RunSpec]:
+    # each size at the study's largest budget with the study's schedule, so its model's runs are the
+    # budget study's; the baseline and the two AttnRes rules of the report's scaling figure
+    if not budget.long_sizes:
+        return []
+    tpp = max(budget.tokens_per_param)
+    out = []
+    for d, n_layer, n_head in budget.long_sizes:
+        size = f"d{d}_l{n_layer}"
+        for seed in range(budget.seeds):
+            for v, o in study_variants(n_layer, n_head).items():
+                if v in ("prenorm", "block", "full"):
+                    spec = _study_spec(budget, budget.corpora[0], (d, n_layer, n_head), tpp, v, o, seed)
+                    out.append(dataclasses.replace(spec, name=f"{size}_tpp{tpp:g}_{v}_s{seed}", group=size))
+    return out
+
+
 def _ablation_specs(budget: Budget) -> list[RunSpec]:
     d, n_layer, n_head = budget.mid
     return [
@@ -424,6 +447,7 @@ def _queries_specs(budget: Budget) -> list[RunSpec]:
 
 _SPECS = {
     "scaling": _scaling_specs,
+    "long-scaling": _long_scaling_specs,
     "ablation": _ablation_specs,
     "long-ablation": _long_ablation_specs,
     "blocksize": _blocksize_specs,

@@ -9,7 +9,7 @@ import pytest
 
 from attention_residuals import experiments as ex
 from attention_residuals.experiments import analyses, runner
-from attention_residuals.experiments.specs import ablation_variants
+from attention_residuals.experiments.specs import ablation_variants, baseline_params
 
 
 def test_fit_power_law_recovers_parameters():
@@ -124,6 +124,33 @@ def test_long_ablation_shares_the_budget_study_runs():
         ("block_key_gain", {"key_norm_gain": True}),
     ):
         assert next(s for s in rows if s.variant == name).overrides == {**block, **extra}
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_every_run_of_an_experiment_has_its_own_name_and_directory(preset):
+    for name in ex.EXPERIMENTS:
+        runs = ex.specs(name, ex.BUDGETS[preset])
+        assert len({s.name for s in runs}) == len(runs), name
+        assert len({ex.run_key(s, preset) for s in runs}) == len(runs), name
+
+
+def test_long_scaling_is_every_size_at_the_largest_budget():
+    """long-scaling: PreNorm, Full and Block at every size, each at 20 tokens/param; the sizes
+    grow in parameters and the budget study's model is one of them (its runs shared)."""
+    full = ex.BUDGETS["full"]
+    rows = ex.specs("long-scaling", full)
+    assert {s.variant for s in rows} == {"prenorm", "full", "block"} and {s.seed for s in rows} == {0, 1}
+    sizes = list(dict.fromkeys(s.group for s in rows))
+    assert len(sizes) >= 4
+    params = []
+    for size in sizes:
+        o = next(s for s in rows if s.group == size).overrides
+        params.append(baseline_params(o["d_model"], o["n_layer"], o["n_head"]))
+        tokens = o["steps"] * full.batch_size * full.seq_len
+        assert tokens / params[-1] == pytest.approx(20.0, rel=0.01)
+    assert params == sorted(params) and params[-1] / params[0] > 10
+    budget = {ex.run_key(s, "full") for s in ex.specs("budget", full)}
+    assert {s.group for s in rows if ex.run_key(s, "full") in budget} == {"d64_l6"}
 
 
 def test_long_ablation_interim_table(tmp_path):
@@ -301,7 +328,6 @@ def test_committed_runs_are_found_under_the_current_run_keys():
 def test_report_preset_is_20_tokens_per_param_and_smokes_on_cpu(tmp_path):
     """The GPU-scale recipe, shrunk by --override so one CPU runs it in seconds: the same sizes
     (depths), the user's --data, the scaling tables at the end."""
-    from attention_residuals.experiments.specs import baseline_params
 
     preset = ex.BUDGETS["report"]
     for d, n_layer, n_head, steps in preset.sizes:
