@@ -193,6 +193,14 @@ def _verdict(delta: float, spread: float) -> str:
     return "within noise" if abs(delta) <= spread else ("better" if delta < 0 else "worse")
 
 
+def _seeds_cell(losses: list[float]) -> str:
+    """``mean ± std`` over seeds, or the one seed's loss marked as such (a std of one is no spread)."""
+    if len(losses) == 1:
+        return f"{losses[0]:.4f} (1 seed)"
+    mean, std = _mean_std(losses)
+    return f"{mean:.4f} ± {std:.4f}"
+
+
 def _interim(meta: dict) -> list[str]:
     """The line that marks a ``--partial`` table (none when every planned run finished)."""
     if "runs_planned" not in meta:
@@ -628,12 +636,7 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
         ]
         out[group] = {}
         for v, per_lr in by_var.items():
-            cells = [
-                f"{np.mean(list(per_lr[lr].values())):.4f} ± {_mean_std(list(per_lr[lr].values()))[1]:.4f}"
-                if lr in per_lr
-                else "—"
-                for lr in lrs
-            ]
+            cells = [_seeds_cell(list(per_lr[lr].values())) if lr in per_lr else "—" for lr in lrs]
             shared = _delta_cell(per_lr.get(budget.lr, {}), base.get(budget.lr, {})) if base else None
             own = _delta_cell(per_lr[best[v]], base[best["prenorm"]]) if base else None
             fmt = [

@@ -325,6 +325,17 @@ def test_committed_runs_are_found_under_the_current_run_keys():
             assert (run / "summary.json").is_file(), (name, spec.name, run.name)
 
 
+def test_committed_runs_name_no_path_of_the_machine_that_ran_them():
+    """A committed run's config and summary hold repo-relative paths only: a fresh clone reads them."""
+    root = Path(__file__).resolve().parents[3] / "results" / "runs"
+    absolute = [
+        str(f.relative_to(root))
+        for f in sorted(root.glob("*/*.json"))
+        if any(part in f.read_text() for part in ('": "/', " /work/", " /tmp/", " /home/"))
+    ]
+    assert not absolute
+
+
 def test_report_preset_is_20_tokens_per_param_and_smokes_on_cpu(tmp_path):
     """The GPU-scale recipe, shrunk by --override so one CPU runs it in seconds: the same sizes
     (depths), the user's --data, the scaling tables at the end."""
