@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
-# The budget study of results/budget, results/lr and results/queries, in the order that answers the
-# first questions first: the 12-sublayer model on code and on prose, then its learning-rate sweep,
-# then whether the pseudo-queries learn (queries), then the 24-sublayer model. Every run resumes from its checkpoint and finished runs are skipped, so this
-# can be stopped at any point and started again (in another session). THREADS: torch threads.
+# The long studies of results/ (budget, lr, queries, long-ablation, long-scaling), in the order that
+# answers the first questions first: the 12-sublayer model on code and on prose, its learning-rate
+# sweep, whether the pseudo-queries learn, the 24-sublayer model, then the ablation rows and the
+# scaling fit at 20 tokens/param. Every run resumes from its checkpoint and finished runs are
+# skipped, so this can be stopped at any point and started again (in another session).
+# WORKERS: processes in parallel (each trains every WORKERS-th run, --shard); THREADS: torch threads each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ATTNRES=${ATTNRES:-.venv/bin/attnres}
 T=${THREADS:-1}
-$ATTNRES experiment budget --budget full --threads "$T" --only code_L12 prose_L12
-$ATTNRES experiment lr --budget full --threads "$T"
-$ATTNRES experiment queries --budget full --threads "$T"
-$ATTNRES experiment budget --budget full --threads "$T"
+W=${WORKERS:-2}
+
+study() {  # study EXPERIMENT [ARGS...]: W shards in parallel, then the tables
+    local pids=()
+    for ((i = 0; i < W; i++)); do
+        $ATTNRES experiment "$@" --preset full --threads "$T" --shard "$i/$W" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    $ATTNRES experiment "$@" --preset full --threads "$T"
+}
+
+study budget --only code_L12 prose_L12
+study lr
+study queries
+study budget
+study long-ablation
+study long-scaling

@@ -255,8 +255,8 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         f"{summaries[some.name]['tokens']:,} tokens), its own cosine schedule (warmup 5 %), lr "
         f"{budget.lr:g} for every variant; Block rows at S = {block_size_for(n_layer)} "
         f"({2 * n_layer // block_size_for(n_layer)} blocks). baseline, full, block_s{block_size_for(n_layer)} "
-        f"and the _h{n_head} rows are the budget study's runs. block_query_init: pseudo-queries drawn "
-        f"from N(0, 1/d) instead of zero (the rest of the start is its zero-init twin's); block_key_gain: a "
+        f"and the _h{n_head} rows are the budget study's runs. _query_init: the pseudo-queries drawn "
+        f"from N(0, 1/d) instead of zero (the rest of the start is its zero-init twin's); _key_gain: a "
         "learnable gain in the key RMSNorm. Verdict: |Δ| against the larger seed std. The report column "
         "is its 48B ablation (Block at S = 4 of its depth) — a different scale, for direction only.",
     ]

@@ -118,12 +118,10 @@ def test_long_ablation_shares_the_budget_study_runs():
     assert shared == {"baseline", "full", "block_s2", "block_h4", "full_h4"}
     assert set(ablation_variants(6, 64, 2)) <= {s.variant for s in rows}
     assert {s.seed for s in rows} == {0, 1} and len({ex.run_key(s, "full") for s in rows}) == len(rows)
-    block = next(s for s in rows if s.variant == "block_s2").overrides
-    for name, extra in (
-        ("block_query_init", {"query_init_std": 0.125}),
-        ("block_key_gain", {"key_norm_gain": True}),
-    ):
-        assert next(s for s in rows if s.variant == name).overrides == {**block, **extra}
+    for rule, twin in (("block", "block_s2"), ("full", "full")):
+        base = next(s for s in rows if s.variant == twin).overrides
+        for knob, extra in (("query_init", {"query_init_std": 0.125}), ("key_gain", {"key_norm_gain": True})):
+            assert next(s for s in rows if s.variant == f"{rule}_{knob}").overrides == {**base, **extra}
 
 
 @pytest.mark.parametrize("preset", ["quick", "full"])
