@@ -132,7 +132,7 @@ def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
         "",
         f"Every size trains {', '.join(f'{t:g}' for t in tpp)} tokens per (PreNorm) parameter with its own "
         f"cosine schedule (warmup 5 %), lr {budget.lr:g}, on the {corpus_tag(budget.corpora[0])} corpus; "
-        f"Block at S for ~8 blocks. The {'x'.join(map(str, budget.study_shapes[0][:2]))} (d x blocks) "
+        f"Block at S for ~8 blocks; block_hH: one depth head per attention head (H of them). The {'x'.join(map(str, budget.study_shapes[0][:2]))} (d x blocks) "
         "runs are the budget study's.",
     ]
     lines += _interim(meta)

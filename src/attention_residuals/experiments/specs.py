@@ -42,7 +42,7 @@ PFLOPS_DAY = 8.64e19
 # `attnres experiment --help` list them from here; add an experiment by adding a line (and its specs).
 SUBCOMMANDS: dict[str, str] = {
     "scaling": "loss vs compute over several model sizes (PreNorm, Full, Block AttnRes, mHC), power-law fits",
-    "long-scaling": "the scaling fit and compute advantage again, every size at 20 tokens/param (PreNorm, Full, Block)",
+    "long-scaling": "the scaling fit and compute advantage again, every size at 20 tokens/param (PreNorm, Full, Block, multi-head Block)",
     "ablation": "the report's ablation rows (and two of ours) on one model, against the PreNorm baseline",
     "long-ablation": "the ablation rows, and what could explain a shrinking lead, on the budget study's model at 20 tokens/param",
     "blocksize": "Block AttnRes loss against the block size S (S = 1 is Full AttnRes)",
@@ -321,7 +321,8 @@ def _scaling_specs(budget: Budget) -> list[RunSpec]:
 
 def _long_scaling_specs(budget: Budget) -> list[RunSpec]:
     # each size at the study's largest budget with the study's schedule, so its model's runs are the
-    # budget study's; the baseline and the two AttnRes rules of the report's scaling figure
+    # budget study's; the baseline and the two AttnRes rules of the report's scaling figure, and
+    # Block with one depth head per attention head (multi-head across width)
     if not budget.long_sizes:
         return []
     tpp = max(budget.tokens_per_param)
@@ -330,7 +331,7 @@ def _long_scaling_specs(budget: Budget) -> list[RunSpec]:
         size = f"d{d}_l{n_layer}"
         for seed in range(budget.seeds):
             for v, o in study_variants(n_layer, n_head).items():
-                if v in ("prenorm", "block", "full"):
+                if v in ("prenorm", "block", "full", f"block_h{n_head}"):
                     spec = _study_spec(budget, budget.corpora[0], (d, n_layer, n_head), tpp, v, o, seed)
                     out.append(dataclasses.replace(spec, name=f"{size}_tpp{tpp:g}_{v}_s{seed}", group=size))
     return out

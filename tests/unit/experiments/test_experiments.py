@@ -133,11 +133,13 @@ def test_every_run_of_an_experiment_has_its_own_name_and_directory(preset):
 
 
 def test_long_scaling_is_every_size_at_the_largest_budget():
-    """long-scaling: PreNorm, Full and Block at every size, each at 20 tokens/param; the sizes
+    """long-scaling: PreNorm, Full, Block and 4-head Block at every size, each at 20 tokens/param; the sizes
     grow in parameters and the budget study's model is one of them (its runs shared)."""
     full = ex.BUDGETS["full"]
     rows = ex.specs("long-scaling", full)
-    assert {s.variant for s in rows} == {"prenorm", "full", "block"} and {s.seed for s in rows} == {0, 1}
+    assert {s.variant for s in rows} == {"prenorm", "full", "block", "block_h4"} and {
+        s.seed for s in rows
+    } == {0, 1}
     sizes = list(dict.fromkeys(s.group for s in rows))
     assert len(sizes) >= 4
     params = []
