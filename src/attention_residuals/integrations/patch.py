@@ -351,6 +351,7 @@ def apply_attnres(
     eps = _norm_eps(getattr(first, names[2])) if eps is None else eps
     n_sub = 2 * len(layer_list)
     conn = make_connection(residual, n_sub, d, eps, block_size=block_size, n_blocks=n_blocks, **options)
+    conn.init_random()
     ref = next(iter(model.parameters()), None)
     if ref is not None:
         conn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
@@ -435,6 +436,7 @@ def patched_class(base: type) -> type:
 
             with torch.device("cpu"):
                 fresh = make_connection(module.config, module.n_layers, module.d_model, module.eps)
+                fresh.init_random()
             for name, value in [*fresh.named_parameters(recurse=False), *fresh.named_buffers(recurse=False)]:
                 target = getattr(module, name)
                 initialization.copy_(target, value.to(target.dtype))

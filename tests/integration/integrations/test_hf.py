@@ -70,6 +70,18 @@ def test_config_aliases_and_validation(tmp_path):
         AttnResConfig(hidden_size=32, d_model=64)
 
 
+def test_a_fresh_hf_model_draws_its_queries_as_asked():
+    """From a config (no weights): queries zero by default, drawn at ``query_init_std`` when set."""
+
+    def queries(**kw):
+        cfg = AttnResConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, residual=dict(rule="full", **kw)
+        )
+        return AttnResForCausalLM(cfg).model.residual.queries.detach()
+
+    assert torch.count_nonzero(queries()) == 0 and 0.3 < float(queries(query_init_std=0.5).std()) < 0.7
+
+
 RULES = [
     ("prenorm", {}),
     ("full", {}),

@@ -239,6 +239,13 @@ def test_generic_pre_norm_model():
     assert out.shape == ref.shape and not torch.allclose(out, ref)
 
 
+def test_query_init_std_reaches_a_patched_model():
+    """apply_attnres draws the pseudo-queries when asked (zero by default), as GPT does."""
+    zero = apply_attnres(tiny_llama(), "block", block_size=2).model.attnres.queries
+    drawn = apply_attnres(tiny_llama(), "block", block_size=2, query_init_std=0.5).model.attnres.queries
+    assert torch.count_nonzero(zero) == 0 and 0.3 < float(drawn.detach().std()) < 0.7
+
+
 def trained_patch(model, residual="block", **kw):
     """Patched, with depth parameters away from their zero init."""
     apply_attnres(model, residual, **kw)
