@@ -11,13 +11,20 @@ ATTNRES=${ATTNRES:-.venv/bin/attnres}
 T=${THREADS:-1}
 W=${WORKERS:-2}
 
+PIDS=()
+# a stopped or failed study takes its shards with it: a second start must not train the same runs twice
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+trap 'exit 130' INT TERM
+
 study() {  # study EXPERIMENT [ARGS...]: W shards in parallel, then the tables
-    local pids=()
+    local i pid rc=0
+    PIDS=()
     for ((i = 0; i < W; i++)); do
         $ATTNRES experiment "$@" --preset full --threads "$T" --shard "$i/$W" &
-        pids+=($!)
+        PIDS+=($!)
     done
-    for pid in "${pids[@]}"; do wait "$pid"; done
+    for pid in "${PIDS[@]}"; do wait "$pid" || rc=$?; done
+    ((rc == 0)) || exit "$rc"
     $ATTNRES experiment "$@" --preset full --threads "$T"
 }
 

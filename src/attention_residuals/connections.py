@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .functional import DepthState, activation_dtype, depth_logits, rms_norm, stack_sources
 from .kernels import depth_attention, depth_attention_merged, depth_states_batched
-from .typed import check_choices, check_field_types, check_number, field_default, option
+from .typed import check_bounds, check_choices, check_field_types, check_number, field_default, option
 
 __all__ = [
     "RESIDUALS",
@@ -105,6 +105,7 @@ class ResidualConfig:
         0.0,
         "std of a normal initialisation of the pseudo-queries (0: zero, as the report: every "
         "depth mix starts as the mean of its sources)",
+        ge=0,
     )
     window: int = option(8, "swa: number of most recent sources attended")
     streams: int = option(4, "mhc: number of residual streams m (1..6)")
@@ -112,6 +113,7 @@ class ResidualConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_bounds(self)
         if self.rule not in RULES:  # before the other choices: the message names the flag
             raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.rule!r}")
         check_choices(self)
@@ -133,8 +135,6 @@ class ResidualConfig:
                 f"query_rank: only used with query='lowrank', got query_rank={self.query_rank!r} "
                 f"with query={self.query!r}"
             )
-        if not (math.isfinite(self.query_init_std) and self.query_init_std >= 0):
-            raise ValueError(f"query_init_std: expected a finite number >= 0, got {self.query_init_std!r}")
         if self.key_norm_gain and not self.key_norm:
             raise ValueError("key_norm_gain: a gain of the key RMSNorm needs key_norm=True")
         if self.block_size is not None and self.n_blocks is not None:
@@ -308,7 +308,8 @@ class DepthAttentionResidual(Connection):
             c.depth_heads,
             c.key_norm,
         )
-        # one pseudo-query per layer plus one for the final readout; zero-init is essential
+        # one pseudo-query per layer plus one for the final readout; zero-init (the report's: every
+        # mix starts uniform) unless query_init_std asks for a draw (init_random)
         self.queries = nn.Parameter(torch.zeros(n_layers + 1, d_model))
         if c.key_norm_gain:  # RMSNorm(v) * g inside the logits is the query g * w: kernels unchanged
             self.key_gain = nn.Parameter(torch.ones(n_layers + 1, d_model))
@@ -698,11 +699,18 @@ RESIDUALS = tuple(RULES)
 
 
 def make_connection(
-    residual: str | ResidualConfig, n_layers: int, d_model: int, eps: float = 1e-6, **options: Any
+    residual: str | ResidualConfig,
+    n_layers: int,
+    d_model: int,
+    eps: float = 1e-6,
+    *,
+    random_init: bool = True,
+    **options: Any,
 ) -> Connection:
     """Build the depth-mixing rule ``residual`` (a name of :data:`RESIDUALS` plus the
     :class:`ResidualConfig` options as keywords, or a ``ResidualConfig``) for ``n_layers`` sublayers
-    of width ``d_model``."""
+    of width ``d_model``, its random values drawn (:meth:`Connection.init_random`) unless
+    ``random_init=False``: a model that draws its own weights first calls that itself, after them."""
     for old, new in LEGACY_NAMES.items():
         if old in options:
             raise TypeError(f"make_connection: {old}= is now {new}= ({new!r}: see ResidualConfig)")
@@ -716,4 +724,7 @@ def make_connection(
     else:
         config = ResidualConfig(residual, **options)
     resolve_block_size(n_layers, config.block_size, config.n_blocks)
-    return RULES[config.rule](n_layers, d_model, eps, config)
+    connection = RULES[config.rule](n_layers, d_model, eps, config)
+    if random_init:
+        connection.init_random()
+    return connection

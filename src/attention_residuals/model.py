@@ -259,7 +259,7 @@ class GPT(nn.Module):
             CausalSelfAttention(c, l // 2) if l % 2 == 0 else SwiGLU(c) for l in range(L)
         )
         self.norms = nn.ModuleList(nn.RMSNorm(c.d_model, eps=c.norm_eps) for _ in range(L))
-        self.residual = make_connection(c.residual, L, c.d_model, c.norm_eps)
+        self.residual = make_connection(c.residual, L, c.d_model, c.norm_eps, random_init=False)
         self.norm_f = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         cos, sin = rope_tables(c.seq_len, c.d_model // c.n_head, c.rope_theta)
@@ -278,7 +278,7 @@ class GPT(nn.Module):
         for layer in self.layers:
             out = layer.proj if isinstance(layer, CausalSelfAttention) else layer.down
             nn.init.normal_(out.weight, mean=0.0, std=std / math.sqrt(len(self.layers)))
-        self.residual.init_random()
+        self.residual.init_random()  # last: a random query init leaves every other weight as its twin's
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -56,6 +56,12 @@ def test_query_init_std_draws_only_the_queries():
     with torch.no_grad():  # a query away from zero: the depth mix no longer starts as the mean
         x = torch.randint(0, 256, (1, 8))
         assert not torch.allclose(zero(x)[0], drawn(x)[0])
+    conn = make_connection("block", 4, 16, query_init_std=0.5)  # a rule on its own draws when built
+    assert 0.3 < float(conn.queries.detach().std()) < 0.7
+    assert (
+        torch.count_nonzero(make_connection("block", 4, 16, query_init_std=0.5, random_init=False).queries)
+        == 0
+    )
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="query_init_std: expected a finite number >= 0"):
             ResidualConfig("full", query_init_std=bad)

@@ -125,15 +125,20 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
 
 def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     """The scaling tables with every size at the study's largest budget, where the early-regime
-    sweep trains ~0.3-2 tokens/param."""
+    sweep (``scaling``) trains ~0.4-3.6 tokens/param."""
     out, lines = _scaling_tables(todo, summaries, exp_dir, budget)
     tpp = sorted(set(_tokens_per_param(todo).values()))
+    sizes = dict.fromkeys((s.group, s.overrides["n_layer"]) for s in todo)
+    blocks = ", ".join(
+        f"{g}: S = {block_size_for(n)} (N = {_n_blocks(n, block_size_for(n))})" for g, n in sizes
+    )
+    shared = f"d{budget.study_shapes[0][0]}_l{budget.study_shapes[0][1]}"
     lines += [
         "",
         f"Every size trains {', '.join(f'{t:g}' for t in tpp)} tokens per (PreNorm) parameter with its own "
-        f"cosine schedule (warmup 5 %), lr {budget.lr:g}, on the {corpus_tag(budget.corpora[0])} corpus; "
-        f"Block at S for ~8 blocks; block_hH: one depth head per attention head (H of them). The {'x'.join(map(str, budget.study_shapes[0][:2]))} (d x blocks) "
-        "runs are the budget study's.",
+        f"cosine schedule (warmup 5 %), lr {budget.lr:g}, on the {corpus_tag(budget.corpora[0])} corpus. "
+        f"Block: {blocks}; block_hH: Block with one depth head per attention head (H of them)."
+        + (f" The {shared} runs are the budget study's." if any(g == shared for g, _ in sizes) else ""),
     ]
     lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -201,6 +206,11 @@ def _seeds_cell(losses: list[float]) -> str:
     return f"{mean:.4f} ± {std:.4f}"
 
 
+def _n_blocks(n_layer: int, block_size: int) -> int:
+    """Block AttnRes's number of blocks N over the 2 n_layer sublayers (the last may be partial)."""
+    return math.ceil(2 * n_layer / block_size)
+
+
 def _interim(meta: dict) -> list[str]:
     """The line that marks a ``--partial`` table (none when every planned run finished)."""
     if "runs_planned" not in meta:
@@ -209,10 +219,11 @@ def _interim(meta: dict) -> list[str]:
 
 
 def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[str]]:
-    """Each variant's mean ± std and Δ vs the baseline (with ``paired``: also each seed's Δ, paired by
-    seed), a verdict against the seed spread, and the report's number beside it."""
+    """Each variant's loss over seeds and Δ vs the baseline — the difference of the means, or with
+    ``paired`` the mean of the per-seed differences (listed too) — a verdict against the seed
+    spread, and the report's number beside it (its Block row for ours at any S)."""
     table = _seeded_table(todo, summaries)
-    base = table["baseline"]
+    base = table.get("baseline")  # absent in an interim table before the baseline finished
     by_seed = _paired_deltas(todo, summaries, lambda spec: "all")["all"] if paired else {}
     seed_col = " Δ per seed |" if paired else ""
     lines = [
@@ -220,18 +231,31 @@ def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[s
         "|---" * (6 + paired) + "|",
     ]
     for v, r in table.items():
-        delta = r["mean"] - base["mean"]
-        spread = max(r["std"], base["std"])
-        rep = REPORT_ABLATION.get(v)
+        rep = REPORT_ABLATION.get("block_s4" if v.startswith("block_s") else v)
         rep_s = f"{rep:.3f}" if rep else "—"
         rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
-        r.update(delta=delta, verdict="reference" if v == "baseline" else _verdict(delta, spread))
+        cell = _delta_cell(by_seed[v], by_seed["baseline"]) if paired and base else None
+        if paired:
+            r["per_seed"] = cell["per_seed"] if cell else []
+        if base is None or (cell is not None and not cell["per_seed"]):
+            r.update(delta=None, verdict="—")
+        else:
+            r["delta"] = cell["mean"] if cell else r["mean"] - base["mean"]
+            few = min(len(r["losses"]), len(base["losses"])) < 2
+            r["verdict"] = (
+                "reference"
+                if v == "baseline"
+                else "one seed"
+                if few
+                else _verdict(r["delta"], max(r["std"], base["std"]))
+            )
+        delta = "—" if r["delta"] is None else f"{r['delta']:+.4f}"
         seeds = ""
         if paired:
-            r["per_seed"] = _delta_cell(by_seed[v], by_seed["baseline"])["per_seed"]
-            seeds = " " + (", ".join(f"{d:+.4f}" for d in r["per_seed"]) if v != "baseline" else "—") + " |"
+            per = ", ".join(f"{d:+.4f}" for d in r["per_seed"]) if v != "baseline" and r["per_seed"] else "—"
+            seeds = f" {per} |"
         lines.append(
-            f"| {v} | {r['mean']:.4f} ± {r['std']:.4f} | {delta:+.4f} |{seeds} {r['verdict']} | {rep_s} | {rep_d} |"
+            f"| {v} | {_seeds_cell(r['losses'])} | {delta} |{seeds} {r['verdict']} | {rep_s} | {rep_d} |"
         )
     return table, lines
 
@@ -246,19 +270,21 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     """The ablation at the budget study's largest budget, Δ paired by seed, and what it was run at."""
     table, lines = _ablation_table(todo, summaries, paired=True)
     d, n_layer, n_head = budget.study_shapes[0]
+    S = block_size_for(n_layer)
     some = todo[0]
     lines += [
         "",
         f"{corpus_tag(budget.corpora[0]).capitalize()} corpus; the budget study's model: {2 * n_layer} "
-        f"sublayers, d {d}, {n_head} attention heads, {baseline_params(d, n_layer, n_head):,} parameters; "
-        f"{_tokens_per_param(todo)[some.name]:g} tokens/param ({some.overrides['steps']} steps, "
-        f"{summaries[some.name]['tokens']:,} tokens), its own cosine schedule (warmup 5 %), lr "
-        f"{budget.lr:g} for every variant; Block rows at S = {block_size_for(n_layer)} "
-        f"({2 * n_layer // block_size_for(n_layer)} blocks). baseline, full, block_s{block_size_for(n_layer)} "
-        f"and the _h{n_head} rows are the budget study's runs. _query_init: the pseudo-queries drawn "
-        f"from N(0, 1/d) instead of zero (the rest of the start is its zero-init twin's); _key_gain: a "
-        "learnable gain in the key RMSNorm. Verdict: |Δ| against the larger seed std. The report column "
-        "is its 48B ablation (Block at S = 4 of its depth) — a different scale, for direction only.",
+        f"sublayers (n_layer {n_layer}), d {d}, {n_head} attention heads, "
+        f"{baseline_params(d, n_layer, n_head):,} parameters; {_tokens_per_param(todo)[some.name]:g} "
+        f"tokens/param ({some.overrides['steps']} steps, {summaries[some.name]['tokens']:,} tokens), its "
+        f"own cosine schedule (warmup 5 %), lr {budget.lr:g} for every variant; the Block rows at "
+        f"S = {S} (N = {_n_blocks(n_layer, S)} blocks). baseline, full, block_s{S} and the _h{n_head} rows "
+        "are the budget study's runs. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
+        "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
+        "RMSNorm. Δ: paired by seed (mean, then each seed); verdict: |Δ| against the larger seed std. "
+        "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
+        f"block_s{S}): a different scale, for direction only.",
     ]
     lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -594,8 +620,8 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
         f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model. "
         + "; ".join(
-            f"L{2 * n}: d {d}, {n} blocks, {h} attention heads, {baseline_params(d, n, h):,} parameters, "
-            f"Block S = {block_size_for(n)}"
+            f"L{2 * n}: d {d}, n_layer {n}, {h} attention heads, {baseline_params(d, n, h):,} parameters, "
+            f"Block S = {block_size_for(n)} (N = {_n_blocks(n, block_size_for(n))})"
             for d, n, h in budget.study_shapes
         )
         + ".",

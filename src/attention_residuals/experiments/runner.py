@@ -251,6 +251,9 @@ def run_experiment(
     if not force:
         check_budget(exp_dir, budget_name)
     every, overrides = _planned_runs(experiment, budget, overrides)
+    if not every:
+        defined = tuple(name for name in EXPERIMENTS if specs(name, budget))
+        raise ValueError(f"--preset {budget_name}: defines no runs of {experiment}; it has {defined}")
     wanted = set(only or ())
     todo = [s for s in every if not wanted or wanted & {s.variant, s.name, s.group}]
     corpora, t0 = _Corpora(), time.time()

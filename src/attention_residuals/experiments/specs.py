@@ -407,6 +407,8 @@ def _budget_specs(budget: Budget) -> list[RunSpec]:
 
 
 def _lr_specs(budget: Budget) -> list[RunSpec]:
+    if not budget.study_shapes:
+        return []
     shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
     return [
         _study_spec(budget, data, shape, tpp, v, o, seed, lr)

@@ -16,7 +16,7 @@ the running sum::
 The sublayers, norms, embedding, final norm and head keep their modules and weights; the only new
 parameters are the rule's (zero-initialised pseudo-queries, registered as ``<layers owner>.attnres``,
 e.g. ``model.attnres.queries`` on a Llama). So at step 0 every sublayer reads the *mean* of its
-sources: the depth-mean model.
+sources: the depth-mean model (unless ``query_init_std`` draws the queries at random).
 
 How: each decoder layer's ``forward`` is replaced (instance attribute; the class is untouched) by
 one that runs its two sublayers, passing the layer's own keyword arguments (mask, rotary
@@ -337,7 +337,7 @@ def apply_attnres(
             (the :class:`~attention_residuals.connections.ResidualConfig` fields: ``query``,
             ``normalize``, ``depth_heads``, ``key_norm``, ``key_norm_gain``, ``intra_gate``...).
 
-    The connection's parameters (zero-init queries) are created on the model's device and dtype
+    The connection's parameters (queries zero, or drawn at ``query_init_std``) are created on the model's device and dtype
     and registered as ``attnres`` on the module owning the layer list.
     """
     _check_applicable(model, residual, options)
@@ -351,7 +351,6 @@ def apply_attnres(
     eps = _norm_eps(getattr(first, names[2])) if eps is None else eps
     n_sub = 2 * len(layer_list)
     conn = make_connection(residual, n_sub, d, eps, block_size=block_size, n_blocks=n_blocks, **options)
-    conn.init_random()
     ref = next(iter(model.parameters()), None)
     if ref is not None:
         conn.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
@@ -436,7 +435,6 @@ def patched_class(base: type) -> type:
 
             with torch.device("cpu"):
                 fresh = make_connection(module.config, module.n_layers, module.d_model, module.eps)
-                fresh.init_random()
             for name, value in [*fresh.named_parameters(recurse=False), *fresh.named_buffers(recurse=False)]:
                 target = getattr(module, name)
                 initialization.copy_(target, value.to(target.dtype))

@@ -136,6 +136,9 @@ class AttnResConfig(PretrainedConfig):
             raise ValueError(f"query: expected 'static', 'input' or 'lowrank', got {r['query']!r}")
         if r["normalize"] not in ("softmax", "sigmoid"):
             raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {r['normalize']!r}")
+        std = r["query_init_std"]
+        if isinstance(std, bool) or not isinstance(std, int | float) or not 0 <= std < math.inf:
+            raise ValueError(f"query_init_std: expected a finite number >= 0, got {std!r}")
         if r["rule"] == "mhc" and not 1 <= r["streams"] <= 6:
             raise ValueError(f"streams: expected 1..6, got {r['streams']}")
         block_size_of(2 * self.n_layer, r)
