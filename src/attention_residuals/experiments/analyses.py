@@ -125,7 +125,7 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
 
 def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     """The scaling tables with every size at the study's largest budget, where the early-regime
-    sweep (``scaling``) trains ~0.4-3.6 tokens/param."""
+    sweep (``scaling``) trains 0.44-3.3 tokens/param."""
     out, lines = _scaling_tables(todo, summaries, exp_dir, budget)
     tpp = sorted(set(_tokens_per_param(todo).values()))
     sizes = dict.fromkeys((s.group, s.overrides["n_layer"]) for s in todo)

@@ -148,7 +148,7 @@ BUDGETS: dict[str, Budget] = {
         # differs; 20 tokens/param ~ 7.1M tokens each. (d 64 at 24 sublayers, 0.67M parameters,
         # would cost ~4x the 12-sublayer runs: ~100 core-minutes a run at 20 tokens/param.)
         study_shapes=((64, 6, 4), (48, 12, 4)),
-        # 49k-739k parameters, ~2.2-2.8x apart; (64, 6, 4) is the study's model (its runs are shared)
+        # 49k-739k parameters, 2.1-2.8x apart; (64, 6, 4) is the study's model (its runs are shared)
         long_sizes=((32, 2, 4), (48, 4, 4), (64, 6, 4), (80, 8, 4)),
         tokens_per_param=(1.0, 4.0, 20.0),
         corpora=("stdlib", "stdlib-docs"),

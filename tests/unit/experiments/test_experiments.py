@@ -416,3 +416,15 @@ def test_demo_runs_are_the_budget_studys_runs():
             want = runner._train_config(spec, full, Path("x")).identity()
             got = make_config(**DEMO_CONFIG, **overrides, seed=seed, out="x").identity()
             assert got == want, name
+
+
+def test_demo_quotes_the_committed_study_tables_from_a_checkout(tmp_path, monkeypatch):
+    """In a checkout the demo report quotes the budget table and the lr sweep; elsewhere nothing."""
+    from attention_residuals.experiments import demo
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[3])
+    lines = demo._study_tables()
+    assert [line for line in lines if line.startswith("## ")] == [f"## {h}" for h in demo.STUDY_TABLES]
+    assert any("best lr" in line for line in lines) and any("tokens/param" in line for line in lines)
+    monkeypatch.chdir(tmp_path)
+    assert demo._study_tables() == []
