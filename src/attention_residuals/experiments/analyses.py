@@ -559,18 +559,15 @@ def _budget_rows(todo, summaries, tpp_of) -> list[dict]:
 
 def _plot_budget(rows: list[dict], path: Path) -> None:
     """One panel per (corpus, depth) group ``<corpus>_L<sublayers>``: a row per corpus, a column per depth."""
-    groups = list(dict.fromkeys(r["group"] for r in rows))
-    corpora = list(dict.fromkeys(g.rsplit("_L", 1)[0] for g in groups))
-    depths = sorted({int(g.rsplit("_L", 1)[1]) for g in groups})
+    place = {g: (c, int(L)) for g in dict.fromkeys(r["group"] for r in rows) for c, L in [g.rsplit("_L", 1)]}
+    corpora = list(dict.fromkeys(c for c, _ in place.values()))
+    depths = sorted({L for _, L in place.values()})
     fig = new_figure((5.2 * len(depths), 4 * len(corpora)))
     grid = fig.subplots(len(corpora), len(depths), squeeze=False)
-    axes = [
-        grid[corpora.index(g.rsplit("_L", 1)[0])][depths.index(int(g.rsplit("_L", 1)[1]))] for g in groups
-    ]
-    for ax in grid.flat:
-        ax.set_visible(False)
-    for ax, group in zip(axes, groups):
-        ax.set_visible(True)
+    axes = {g: grid[corpora.index(c)][depths.index(L)] for g, (c, L) in place.items()}
+    for ax in grid.flat:  # a (corpus, depth) pair with no runs yet: no empty panel
+        ax.set_visible(any(ax is used for used in axes.values()))
+    for group, ax in axes.items():
         variants = list(dict.fromkeys(v for r in rows if r["group"] == group for v in r["deltas"]))
         for v in variants:
             pts = [

@@ -3,8 +3,9 @@
 The demo is one point of the committed budget study (``attnres experiment budget``): the study's
 12-sublayer byte-level GPT (d_model 64, 0.34M parameters) trained 4 tokens per parameter (690
 steps of 16 x 128 bytes) on the Python standard library's own source, PreNorm and Block AttnRes
-(S = 2, N = 6 blocks) with seeds 0 and 1 — the same configs as the study's runs, so the demo
-reproduces its numbers. The report gives each seed, the paired difference and its spread, and
+(S = 2, N = 6 blocks) with seeds 0 and 1 — the same configs as the study's runs, so on one torch
+thread (as the study ran) the demo reproduces its numbers; more threads sum in another order and
+move them in the third or fourth decimal. The report gives each seed, the paired difference and its spread, and
 quotes the committed study (every budget, and the learning-rate sweep at the largest) when this
 is a checkout with ``results/``, because one budget at one shared learning rate is not the whole
 answer: the advantage of AttnRes shrinks as training gets longer. The

@@ -146,7 +146,7 @@ BUDGETS: dict[str, Budget] = {
         shapes=((64, 18, 4), (80, 12, 4), (96, 8, 4), (112, 6, 4), (128, 4, 4)),
         # 12 and 24 sublayers at matched parameters (d 64: 353,088; d 48: 357,552), so depth is what
         # differs; 20 tokens/param ~ 7.1M tokens each. (d 64 at 24 sublayers, 0.67M parameters,
-        # would cost ~4x the 12-sublayer runs: ~100 core-minutes a run at 20 tokens/param.)
+        # would cost an estimated ~4x the 12-sublayer runs: ~2x the tokens at ~2x the FLOPs a token.)
         study_shapes=((64, 6, 4), (48, 12, 4)),
         # 49k-739k parameters, 2.1-2.8x apart; (64, 6, 4) is the study's model (its runs are shared)
         long_sizes=((32, 2, 4), (48, 4, 4), (64, 6, 4), (80, 8, 4)),
@@ -354,7 +354,7 @@ def _long_ablation_specs(budget: Budget) -> list[RunSpec]:
     shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
     variants = long_ablation_variants(shape[1], shape[0], shape[2])
     return [
-        dataclasses.replace(_study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed), group="")
+        _study_spec(budget, budget.corpora[0], shape, tpp, v, o, seed)
         for seed in range(budget.seeds)
         for v, o in variants.items()
     ]
