@@ -557,13 +557,14 @@ def _budget_rows(todo, summaries, tpp_of) -> list[dict]:
     return rows
 
 
-def _plot_budget(rows: list[dict], path: Path) -> None:
-    """One panel per (corpus, depth) group ``<corpus>_L<sublayers>``: a row per corpus, a column per depth."""
+def _plot_budget(rows: list[dict], path: Path, planned_tpp: list[float]) -> None:
+    """One panel per (corpus, depth) group ``<corpus>_L<sublayers>``: a row per corpus, a column per
+    depth, all on the x range of the planned budgets so a panel still running reads against the rest."""
     place = {g: (c, int(L)) for g in dict.fromkeys(r["group"] for r in rows) for c, L in [g.rsplit("_L", 1)]}
     corpora = list(dict.fromkeys(c for c, _ in place.values()))
     depths = sorted({L for _, L in place.values()})
     fig = new_figure((5.2 * len(depths), 4 * len(corpora)))
-    grid = fig.subplots(len(corpora), len(depths), squeeze=False)
+    grid = fig.subplots(len(corpora), len(depths), squeeze=False, sharex=True)
     axes = {g: grid[corpora.index(c)][depths.index(L)] for g, (c, L) in place.items()}
     for ax in grid.flat:  # a (corpus, depth) pair with no runs yet: no empty panel
         ax.set_visible(any(ax is used for used in axes.values()))
@@ -580,6 +581,7 @@ def _plot_budget(rows: list[dict], path: Path) -> None:
                 ax.plot([t] * len(c["per_seed"]), c["per_seed"], ".", color=line.get_color(), alpha=0.5)
         ax.axhline(0.0, color="gray", ls="--", lw=1)
         ax.set_xscale("log")
+        ax.set_xlim(min(planned_tpp) / 1.25, max(planned_tpp) * 1.25)
         ax.set_xlabel("training tokens per parameter")
         ax.set_ylabel("Δ val loss vs PreNorm (nats; < 0: better)")
         ax.set_title(group.replace("_", ", ").replace("L", "L = ", 1))
@@ -636,7 +638,7 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
     tpp_of = _tokens_per_param(todo)
     rows = _budget_rows(todo, summaries, tpp_of)
-    _plot_budget(rows, exp_dir / "budget.png")
+    _plot_budget(rows, exp_dir / "budget.png", list(tpp_of.values()))
     depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
     lines = _budget_table(rows, budget, meta) + _depth_table(depth)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
