@@ -29,6 +29,7 @@ from .specs import (
     SUBCOMMANDS,
     Budget,
     RunSpec,
+    run_dir_of,
     run_key,
     specs,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "fit_power_law",
     "main",
     "run_experiment",
+    "run_dir_of",
     "run_key",
     "specs",
     "write_report",

@@ -5,9 +5,37 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .specs import EXPERIMENTS
+from .specs import BUDGETS, EXPERIMENTS, run_dir_of, specs
 
 __all__ = ["write_report"]
+
+# a table whose longest run saw fewer tokens per parameter than this describes early training: a
+# compute-optimal budget is ~20 (Chinchilla), and AttnRes's lead is largest well before it
+EARLY_REGIME_BELOW = 10.0
+
+
+def _budget_line(experiment: str, meta: dict, root: Path) -> list[str]:
+    """The range of tokens per parameter (all parameters) of the experiment's runs found under
+    ``root``, labelled early regime when even the longest stops well short of compute-optimal."""
+    budget = BUDGETS.get(meta["budget"])
+    ratios = []
+    for spec in specs(experiment, budget) if budget else []:
+        path = run_dir_of(root, spec, meta["budget"]) / "summary.json"
+        if path.exists():
+            summary = json.loads(path.read_text())
+            ratios.append(summary["tokens"] / summary["params_total"])
+    if not ratios:
+        return []
+    lo, hi = f"{min(ratios):.2g}", f"{max(ratios):.2g}"
+    span = lo if lo == hi else f"{lo}–{hi}"
+    line = f"Training budget: {span} tokens per parameter (each run's tokens over all its parameters)."
+    if max(ratios) < EARLY_REGIME_BELOW:
+        line += (
+            " **Early regime**: every run stops well short of the ~20 tokens per parameter of a "
+            "compute-optimal budget, where AttnRes's lead is largest; `budget`, `lr` and the `long-*` "
+            "sections train 20."
+        )
+    return [line, ""]
 
 
 def write_report(root: str | Path = "results") -> Path:
@@ -36,6 +64,7 @@ def write_report(root: str | Path = "results") -> Path:
             f"({meta['machine']}).",
             "",
         ]
+        parts += _budget_line(exp, meta, root)
         parts += [(root / exp / "table.md").read_text(), ""]
         for png in sorted((root / exp).glob("*.png")):
             parts += [f"![{png.stem}]({exp}/{png.name})", ""]

@@ -27,7 +27,7 @@ from .specs import (
     Budget,
     RunSpec,
     corpus_tag,
-    run_key,
+    run_dir_of,
     specs,
     with_overrides,
 )
@@ -99,12 +99,8 @@ class _Corpora:
         return self.loaded[data]
 
 
-def _run_dir(root: str | Path, spec: RunSpec, budget_name: str) -> Path:
-    return Path(root) / "runs" / run_key(spec, budget_name)
-
-
 def _finished(root: str | Path, spec: RunSpec, budget_name: str) -> dict | None:
-    done = load_summary(_run_dir(root, spec, budget_name))
+    done = load_summary(run_dir_of(root, spec, budget_name))
     return done if done and done.get("done") else None
 
 
@@ -117,7 +113,7 @@ def _train_all(
     for spec in bar:
         bar.set_postfix_str(spec.name)
         done = _finished(root, spec, budget_name)
-        run_dir = _run_dir(root, spec, budget_name)
+        run_dir = run_dir_of(root, spec, budget_name)
         if done is None:
             cfg = _train_config(spec, budget, run_dir)
             done = train(cfg, corpus=corpora.of(spec, cfg))

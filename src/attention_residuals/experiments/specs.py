@@ -30,6 +30,7 @@ __all__ = [
     "baseline_params",
     "block_size_for",
     "long_ablation_variants",
+    "run_dir_of",
     "run_key",
     "specs",
     "queries_variants",
@@ -494,3 +495,8 @@ def run_key(spec: RunSpec, budget_name: str) -> str:
     named = {_KEY_SPELLING.get(k, k): _key_value(v) for k, v in spec.overrides.items()}
     parts = [budget_name] + [f"{k}={named[k]}" for k in sorted(named)] + [f"seed={spec.seed}"]
     return ",".join(parts).replace("=", "-").replace(",", "_")
+
+
+def run_dir_of(root: str | Path, spec: RunSpec, budget_name: str) -> Path:
+    """Where a run of the ``budget_name`` preset lives under an experiments root."""
+    return Path(root) / "runs" / run_key(spec, budget_name)

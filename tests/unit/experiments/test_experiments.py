@@ -223,6 +223,23 @@ def test_quick_pipeline_end_to_end(tmp_path):
     report = ex.write_report(tmp_path).read_text()
     assert all(f"## {name}" in report for name in ex.EXPERIMENTS)
     assert "![scaling](scaling/scaling.png)" in report
+    assert report.count("Training budget: ") == len(ex.EXPERIMENTS)  # every section states its tokens/param
+
+
+@pytest.mark.parametrize(("tokens", "early"), [(2_000, True), (25_000, False)])
+def test_report_states_tokens_per_param_and_labels_the_early_regime(tmp_path, tokens, early):
+    """A section gives its runs' tokens per parameter; below 10 it is labelled early regime."""
+    (tmp_path / "ablation").mkdir()
+    (tmp_path / "ablation" / "table.md").write_text("| a |\n")
+    meta = {"budget": "quick", "command": "attnres experiment ablation", "corpus_sha256": "0" * 64}
+    meta |= {"train_s_total": 1.0, "machine": "x86_64"}
+    (tmp_path / "ablation" / "results.json").write_text(json.dumps({"meta": meta}))
+    run = ex.run_dir_of(tmp_path, ex.specs("ablation", ex.BUDGETS["quick"])[0], "quick")
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"tokens": tokens, "params_total": 1_000}))
+    report = ex.write_report(tmp_path).read_text()
+    assert f"Training budget: {tokens // 1000} tokens per parameter" in report
+    assert ("**Early regime**" in report) is early
 
 
 def test_identical_runs_are_shared_between_experiments():
