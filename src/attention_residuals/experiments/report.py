@@ -16,7 +16,8 @@ EARLY_REGIME_BELOW = 10.0
 
 def _budget_line(experiment: str, meta: dict, root: Path) -> list[str]:
     """The range of tokens per parameter (all parameters) of the experiment's runs found under
-    ``root``, labelled early regime when even the longest stops well short of compute-optimal."""
+    ``root``, labelled early regime when even the longest stops well short of compute-optimal.
+    Runs trained with ``--override`` (``--data`` included) have other keys: no line for those."""
     budget = BUDGETS.get(meta["budget"])
     ratios = []
     for spec in specs(experiment, budget) if budget else []:
