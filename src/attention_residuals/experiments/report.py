@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .specs import BUDGETS, EXPERIMENTS, run_dir_of, specs
+from .runner import finished_summary
+from .specs import BUDGETS, EXPERIMENTS, specs
 
 __all__ = ["write_report"]
 
@@ -15,16 +16,14 @@ EARLY_REGIME_BELOW = 10.0
 
 
 def _budget_line(experiment: str, meta: dict, root: Path) -> list[str]:
-    """The range of tokens per parameter (all parameters) of the experiment's runs found under
+    """The range of tokens per parameter (all parameters) of the experiment's finished runs under
     ``root``, labelled early regime when even the longest stops well short of compute-optimal.
     Runs trained with ``--override`` (``--data`` included) have other keys: no line for those."""
     budget = BUDGETS.get(meta["budget"])
-    ratios = []
-    for spec in specs(experiment, budget) if budget else []:
-        path = run_dir_of(root, spec, meta["budget"]) / "summary.json"
-        if path.exists():
-            summary = json.loads(path.read_text())
-            ratios.append(summary["tokens"] / summary["params_total"])
+    done = [
+        finished_summary(root, spec, meta["budget"]) for spec in (specs(experiment, budget) if budget else [])
+    ]
+    ratios = [s["tokens"] / s["params_total"] for s in done if s]
     if not ratios:
         return []
     lo, hi = f"{min(ratios):.2g}", f"{max(ratios):.2g}"

@@ -32,7 +32,7 @@ from .specs import (
     with_overrides,
 )
 
-__all__ = ["BudgetClash", "check_budget", "run_experiment"]
+__all__ = ["BudgetClash", "check_budget", "finished_summary", "run_experiment"]
 
 
 def _train_config(spec: RunSpec, budget: Budget, run_dir: Path):
@@ -99,7 +99,8 @@ class _Corpora:
         return self.loaded[data]
 
 
-def _finished(root: str | Path, spec: RunSpec, budget_name: str) -> dict | None:
+def finished_summary(root: str | Path, spec: RunSpec, budget_name: str) -> dict | None:
+    """The summary of a run that trained to its end under ``root``; ``None`` otherwise."""
     done = load_summary(run_dir_of(root, spec, budget_name))
     return done if done and done.get("done") else None
 
@@ -112,7 +113,7 @@ def _train_all(
     bar = tqdm(runs, desc=desc, unit="run", file=sys.stderr)
     for spec in bar:
         bar.set_postfix_str(spec.name)
-        done = _finished(root, spec, budget_name)
+        done = finished_summary(root, spec, budget_name)
         run_dir = run_dir_of(root, spec, budget_name)
         if done is None:
             cfg = _train_config(spec, budget, run_dir)
@@ -170,7 +171,7 @@ def _finished_so_far(
     experiment: str, every: list[RunSpec], root: str | Path, budget_name: str
 ) -> tuple[list[RunSpec], dict[str, dict]] | None:
     """``--partial``: the runs finished so far and their summaries (None, said, when there is none)."""
-    summaries = {s.name: done for s in every if (done := _finished(root, s, budget_name))}
+    summaries = {s.name: done for s in every if (done := finished_summary(root, s, budget_name))}
     todo = [s for s in every if s.name in summaries]
     if not todo:
         print(f"--partial: no run of {experiment} is finished yet", file=sys.stderr)
@@ -194,7 +195,7 @@ def _train_experiment(
     summaries = _train_all(runs, budget, budget_name, root, corpora, f"{experiment} ({budget_name})")
     if shard is not None:
         return None
-    missing = [s for s in every if s.name not in summaries and not _finished(root, s, budget_name)]
+    missing = [s for s in every if s.name not in summaries and not finished_summary(root, s, budget_name)]
     if missing:
         print(
             f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
@@ -202,7 +203,9 @@ def _train_experiment(
             file=sys.stderr,
         )
         return None
-    summaries.update({s.name: _finished(root, s, budget_name) for s in every if s.name not in summaries})
+    summaries.update(
+        {s.name: finished_summary(root, s, budget_name) for s in every if s.name not in summaries}
+    )
     return summaries
 
 

@@ -236,7 +236,7 @@ def test_report_states_tokens_per_param_and_labels_the_early_regime(tmp_path, to
     (tmp_path / "ablation" / "results.json").write_text(json.dumps({"meta": meta}))
     run = ex.run_dir_of(tmp_path, ex.specs("ablation", ex.BUDGETS["quick"])[0], "quick")
     run.mkdir(parents=True)
-    (run / "summary.json").write_text(json.dumps({"tokens": tokens, "params_total": 1_000}))
+    (run / "summary.json").write_text(json.dumps({"done": True, "tokens": tokens, "params_total": 1_000}))
     report = ex.write_report(tmp_path).read_text()
     assert f"Training budget: {tokens // 1000} tokens per parameter" in report
     assert ("**Early regime**" in report) is early
