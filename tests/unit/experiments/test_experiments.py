@@ -258,7 +258,14 @@ def fake_training(monkeypatch, tmp_path):
     monkeypatch.setattr(
         runner,
         "load_summary",
-        lambda run_dir: {"done": True, "final_val_loss": 2.0, "run_dir": str(run_dir), "train_s": 1.0},
+        lambda run_dir: {
+            "done": True,
+            "final_val_loss": 2.0,
+            "run_dir": str(run_dir),
+            "train_s": 1.0,
+            "tokens": 1000,
+            "params_total": 1000,
+        },
     )
     monkeypatch.setattr(runner, "train", lambda *a, **k: pytest.fail("nothing should train here"))
     monkeypatch.chdir(tmp_path)
