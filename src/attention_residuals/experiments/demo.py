@@ -307,10 +307,10 @@ def render_report(
         "",
         "This is one point of the budget study (`attnres experiment budget`): the 12-sublayer model at 4 training "
         "tokens per parameter, with the study's recipe (one learning rate for both rules). It is not the whole "
-        "answer. In the study, Block AttnRes's lead over PreNorm is largest after ~1 token per parameter and "
-        "shrinks as training gets longer; the tables below (tokens/param on every row) are what the study has "
-        "measured so far, each budget its own run with its own schedule, and at the largest budget each "
-        "variant at its own best learning rate beside the shared one.",
+        "answer. In the study, Block AttnRes's lead over PreNorm is largest early (1–4 tokens per parameter) "
+        "and smaller at 20; the tables below (tokens/param on every row) are the study's committed runs, "
+        "each budget its own run with its own schedule, and at the largest budget each variant at its own "
+        "best learning rate beside the shared one.",
         "",
         *study,
         *_setup_lines(results, corpus_info, base),

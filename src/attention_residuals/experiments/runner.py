@@ -212,12 +212,13 @@ def _train_experiment(
 def _note_options(
     meta: dict[str, Any], overrides: dict[str, Any] | None, partial: bool, finished: int, planned: int
 ) -> None:
-    """Add ``--override`` and ``--partial`` to the meta's command (a partial table also counts its runs)."""
+    """Add ``--override`` and ``--partial`` to the meta's command (a partial table also counts its
+    runs); once every planned run is finished the table is whole, so ``--partial`` is not named."""
     if overrides:
         meta["command"] += " --override " + " ".join(
             f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()
         )
-    if partial:
+    if partial and finished < planned:
         meta.update(command=meta["command"] + " --partial", runs_finished=finished, runs_planned=planned)
 
 

@@ -272,6 +272,19 @@ def fake_training(monkeypatch, tmp_path):
     return tmp_path
 
 
+def test_partial_once_every_run_finished_is_the_whole_table(fake_training):
+    """``--partial`` after the last run finished writes the table the plain command would: its
+    command without ``--partial`` and no interim line; while runs are missing it counts them."""
+    assert ex.main(["blocksize", "--preset", "full", "--partial"]) == 0
+    whole = json.loads((fake_training / "results" / "blocksize" / "results.json").read_text())
+    assert whole["meta"]["command"] == "attnres experiment blocksize --preset full --root results"
+    assert "runs_planned" not in whole["meta"]
+    assert "Interim" not in (fake_training / "results" / "blocksize" / "table.md").read_text()
+    meta = {"command": "attnres experiment budget"}
+    runner._note_options(meta, None, True, 3, 5)
+    assert meta == {"command": "attnres experiment budget --partial", "runs_finished": 3, "runs_planned": 5}
+
+
 def test_default_root_is_scratch_for_quick_and_results_for_full(fake_training, capsys):
     """`attnres experiment blocksize` (quick) leaves results/ alone; `--budget full` writes there with
     the command the committed README quotes."""
