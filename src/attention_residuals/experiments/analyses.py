@@ -198,6 +198,18 @@ def _verdict(delta: float, spread: float) -> str:
     return "within noise" if abs(delta) <= spread else ("better" if delta < 0 else "worse")
 
 
+def _paired_verdict(per_seed: list[float]) -> str:
+    """The sign of Δ on each seed: with two seeds a direction, not a significance test — the paired
+    Δs share the baseline's seed, so they are judged against each other, not the unpaired seed std."""
+    if len(per_seed) < 2:
+        return "one seed"
+    if all(d < 0 for d in per_seed):
+        return "better on every seed"
+    if all(d > 0 for d in per_seed):
+        return "worse on every seed"
+    return "seeds disagree"
+
+
 def _seeds_cell(losses: list[float]) -> str:
     """``mean ± std`` over seeds, or the one seed's loss marked as such (a std of one is no spread)."""
     if len(losses) == 1:
@@ -220,8 +232,9 @@ def _interim(meta: dict) -> list[str]:
 
 def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[str]]:
     """Each variant's loss over seeds and Δ vs the baseline — the difference of the means, or with
-    ``paired`` the mean of the per-seed differences (listed too) — a verdict against the seed
-    spread, and the report's number beside it (its Block row for ours at any S)."""
+    ``paired`` the mean of the per-seed differences (listed too) — a verdict (paired: the sign on
+    each seed; otherwise |Δ| against the seed spread), and the report's number beside it (its Block
+    row for ours at any S)."""
     table = _seeded_table(todo, summaries)
     base = table.get("baseline")  # absent in an interim table before the baseline finished
     by_seed = _paired_deltas(todo, summaries, lambda spec: "all")["all"] if paired else {}
@@ -242,13 +255,14 @@ def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[s
         else:
             r["delta"] = cell["mean"] if cell else r["mean"] - base["mean"]
             few = min(len(r["losses"]), len(base["losses"])) < 2
-            r["verdict"] = (
-                "reference"
-                if v == "baseline"
-                else "one seed"
-                if few
-                else _verdict(r["delta"], max(r["std"], base["std"]))
-            )
+            if v == "baseline":
+                r["verdict"] = "reference"
+            elif few:
+                r["verdict"] = "one seed"
+            elif paired:
+                r["verdict"] = _paired_verdict(r["per_seed"])
+            else:
+                r["verdict"] = _verdict(r["delta"], max(r["std"], base["std"]))
         delta = "—" if r["delta"] is None else f"{r['delta']:+.4f}"
         seeds = ""
         if paired:
@@ -282,7 +296,8 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         f"S = {S} (N = {_n_blocks(n_layer, S)} blocks). baseline, full, block_s{S} and the _h{n_head} rows "
         "are the budget study's runs. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
         "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
-        "RMSNorm. Δ: paired by seed (mean, then each seed); verdict: |Δ| against the larger seed std. "
+        "RMSNorm. Δ: paired by seed (mean, then each seed); verdict: the sign of Δ on each seed "
+        "(two seeds give a direction, not a significance test). "
         "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
         f"block_s{S}): a different scale, for direction only.",
     ]

@@ -154,18 +154,21 @@ def test_long_scaling_is_every_size_at_the_largest_budget():
 
 
 def test_long_ablation_interim_table(tmp_path):
-    """``--partial``: the rows finished so far, Δ paired by seed, a one-seed row marked as such,
+    """``--partial``: the rows finished so far, Δ paired by seed and judged by its sign on each seed, a one-seed row marked as such,
     the report's Block row beside ours at the study's S, and the interim line; before the baseline
     finished, the losses alone."""
     budget = dataclasses.replace(ex.BUDGETS["quick"], seeds=2)
-    rows = {"baseline": (0, 1), "mhc": (0, 1), "block_s2": (0, 1), "denseformer": (0,)}
+    rows = {"baseline": (0, 1), "mhc": (0, 1), "block_s2": (0, 1), "denseformer": (0,), "full": (0, 1)}
+    rows["block_query_init"] = (0, 1)
     todo = [s for s in ex.specs("long-ablation", budget) if s.seed in rows.get(s.variant, ())]
     summaries = {
         s.name: {
             "final_val_loss": 3.0
             - 0.1 * s.seed
             - 0.05 * (s.variant == "mhc")
-            - 0.2 * (s.variant == "block_s2"),
+            - 0.2 * (s.variant == "block_s2")
+            + (0.01 - 0.04 * s.seed) * (s.variant == "full")
+            + 0.1 * (s.variant == "block_query_init"),
             "tokens": 10,
             "run_dir": "",
         }
@@ -174,10 +177,20 @@ def test_long_ablation_interim_table(tmp_path):
     meta = {"runs_planned": 36, "runs_finished": len(todo)}
     out = analyses.ANALYSES["long-ablation"](todo, summaries, tmp_path, budget, meta)
     table = (tmp_path / "table.md").read_text()
-    assert "| mhc | 2.9000 ± 0.0707 | -0.0500 | -0.0500, -0.0500 | within noise | 1.747 | -0.019 |" in table
-    assert "| block_s2 | 2.7500 ± 0.0707 | -0.2000 | -0.2000, -0.2000 | better | 1.746 | -0.020 |" in table
+    assert (
+        "| mhc | 2.9000 ± 0.0707 | -0.0500 | -0.0500, -0.0500 | better on every seed | 1.747 | -0.019 |"
+        in table
+    )
+    assert (
+        "| block_s2 | 2.7500 ± 0.0707 | -0.2000 | -0.2000, -0.2000 | better on every seed | 1.746 | -0.020 |"
+        in table
+    )
     assert "| denseformer | 3.0000 (1 seed) | +0.0000 | +0.0000 | one seed |" in table
-    assert "Interim: 7 of 36" in table and out["table"]["mhc"]["per_seed"] == pytest.approx([-0.05, -0.05])
+    assert "| full | 2.9400 ± 0.0990 | -0.0100 | +0.0100, -0.0300 | seeds disagree |" in table
+    assert (
+        "| block_query_init | 3.0500 ± 0.0707 | +0.1000 | +0.1000, +0.1000 | worse on every seed |" in table
+    )
+    assert "Interim: 11 of 36" in table and out["table"]["mhc"]["per_seed"] == pytest.approx([-0.05, -0.05])
     no_base = [s for s in todo if s.variant != "baseline"]
     analyses.ANALYSES["long-ablation"](no_base, summaries, tmp_path, budget, meta)
     assert "| mhc | 2.9000 ± 0.0707 | — | — | — |" in (tmp_path / "table.md").read_text()
