@@ -195,18 +195,16 @@ def _train_experiment(
     summaries = _train_all(runs, budget, budget_name, root, corpora, f"{experiment} ({budget_name})")
     if shard is not None:
         return None
-    missing = [s for s in every if s.name not in summaries and not finished_summary(root, s, budget_name)]
+    earlier = {s.name: finished_summary(root, s, budget_name) for s in every if s.name not in summaries}
+    missing = [name for name, summary in earlier.items() if not summary]
     if missing:
         print(
             f"--only: trained {len(todo)} run(s); no tables until every run of {experiment} is "
-            f"finished ({missing[0].name} is not)",
+            f"finished ({missing[0]} is not)",
             file=sys.stderr,
         )
         return None
-    summaries.update(
-        {s.name: finished_summary(root, s, budget_name) for s in every if s.name not in summaries}
-    )
-    return summaries
+    return summaries | earlier
 
 
 def _note_options(
