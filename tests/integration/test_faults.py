@@ -23,8 +23,9 @@ import traceback
 
 import pytest
 import torch
+from testkit import tiny_config
 
-from attention_residuals.training import RunError, RunLockedError, make_config, read_metrics, train
+from attention_residuals.training import RunError, RunLockedError, read_metrics, train
 from attention_residuals.training import loop as loop_module
 from attention_residuals.training.checkpoint import read_checkpoint
 from attention_residuals.training.data import Corpus
@@ -38,23 +39,11 @@ KINDS = ("replace-before", "replace-after", "fsync-before", "fsync-torn", "metri
 EXIT = {"done": 0, "locked": 3, "refused": 4, "error": 1}
 
 
+CHECKPOINTED_RUN = dict(steps=12, warmup=2, ckpt_interval=3)  # several checkpoints to break
+
+
 def tiny(out, **kw):
-    base = dict(
-        n_layer=1,
-        n_head=2,
-        d_model=16,
-        seq_len=16,
-        batch_size=4,
-        steps=12,
-        warmup=2,
-        eval_interval=4,
-        ckpt_interval=3,
-        eval_batches=1,
-        log_interval=2,
-        progress=False,
-        out=str(out),
-    )
-    return make_config(**{**base, **kw})
+    return tiny_config(out, **{**CHECKPOINTED_RUN, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testkit import LEARNING_RUN, tiny_config
 
 from attention_residuals import GPT, GPTConfig
 from attention_residuals.bench.memory import saved_activation_bytes
-from attention_residuals.training import make_config, read_metrics, train
+from attention_residuals.training import read_metrics, train
 from attention_residuals.training.data import Corpus
 
 RULES = [
@@ -117,23 +118,8 @@ def corpus():
 
 
 def _run(out, corpus, **kw):
-    base = dict(
-        n_layer=2,
-        n_head=2,
-        d_model=32,
-        seq_len=32,
-        batch_size=8,
-        steps=120,
-        warmup=10,
-        lr=3e-3,
-        min_lr=3e-4,
-        eval_interval=60,
-        eval_batches=4,
-        log_interval=20,
-        progress=False,
-        out=str(out),
-    )
-    return train(make_config(**{**base, **kw}), corpus=corpus)
+    long = dict(steps=120, warmup=10, eval_interval=60, eval_batches=4, log_interval=20)
+    return train(tiny_config(out, **{**LEARNING_RUN, **long, **kw}), corpus=corpus)
 
 
 @pytest.mark.parametrize("residual", ["prenorm", "full", "block", "mhc"])

@@ -6,9 +6,10 @@ import time
 
 import pytest
 import torch
+from testkit import PARALLEL_RUN, tiny_config
 
 from attention_residuals.parallel import DistributedError, spawn
-from attention_residuals.training import RunLockedError, loop, main, make_config, read_metrics, train
+from attention_residuals.training import RunLockedError, loop, main, read_metrics, train
 from attention_residuals.training.checkpoint import read_checkpoint
 from attention_residuals.training.data import Corpus
 from attention_residuals.training.run import LOCK_FILE, run_lock
@@ -17,25 +18,7 @@ TEXT = "".join(f"def f{i}(x):\n    return x * {i % 13} + {i % 7}\n\n" for i in r
 
 
 def tiny(out, **kw):
-    base = dict(
-        n_layer=2,
-        n_head=2,
-        d_model=32,
-        seq_len=16,
-        batch_size=4,
-        grad_accum=2,
-        steps=6,
-        warmup=1,
-        eval_interval=3,
-        eval_batches=2,
-        log_interval=1,
-        progress=False,
-        residual="block",
-        block_size=2,
-        out=str(out),
-    )
-    base.update(kw)
-    return make_config(**base)
+    return tiny_config(out, **{**PARALLEL_RUN, **kw})
 
 
 def _train(rank, world, out, kw):

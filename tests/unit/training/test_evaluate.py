@@ -6,8 +6,9 @@ import json
 import shutil
 
 import pytest
+from testkit import tiny_config
 
-from attention_residuals.training import make_config, train
+from attention_residuals.training import train
 from attention_residuals.training.checkpoint import CheckpointError, CheckpointMismatchError
 from attention_residuals.training.data import Corpus
 from attention_residuals.training.evaluate import load_run
@@ -18,21 +19,7 @@ TEXT = "".join(f"def g{i}(y):\n    return y * {i % 13}\n\n" for i in range(300))
 
 
 def tiny(out, **kw):
-    base = dict(
-        n_layer=1,
-        n_head=2,
-        d_model=16,
-        seq_len=16,
-        batch_size=4,
-        steps=8,
-        warmup=1,
-        eval_interval=4,
-        eval_batches=1,
-        log_interval=4,
-        progress=False,
-        out=str(out),
-    )
-    return make_config(**{**base, **kw})
+    return tiny_config(out, **{"log_interval": 4, **kw})
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ import signal
 import time
 
 import pytest
+from testkit import tiny_config as tiny
 
 from attention_residuals.files import sweep_temp_files
 from attention_residuals.training import (
     RunError,
     RunLockedError,
     load_summary,
-    make_config,
     read_metrics,
     train,
 )
@@ -34,24 +34,6 @@ RUN_FILES = {
 @pytest.fixture(scope="module")
 def corpus():
     return Corpus.from_text(TEXT, val_fraction=0.1)
-
-
-def tiny(out, **kw):
-    base = dict(
-        n_layer=1,
-        n_head=2,
-        d_model=16,
-        seq_len=16,
-        batch_size=4,
-        steps=8,
-        warmup=1,
-        eval_interval=4,
-        eval_batches=1,
-        log_interval=2,
-        progress=False,
-        out=str(out),
-    )
-    return make_config(**{**base, **kw})
 
 
 def _user_folder(path):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from testkit import LEARNING_RUN, tiny_config
 
 from attention_residuals import GPT, GPTConfig
 from attention_residuals.connections import RESIDUALS, ResidualConfig
@@ -35,24 +36,7 @@ def corpus():
 
 
 def tiny(out, **kw):
-    base = dict(
-        n_layer=2,
-        n_head=2,
-        d_model=32,
-        seq_len=32,
-        batch_size=8,
-        steps=20,
-        warmup=2,
-        lr=3e-3,
-        min_lr=3e-4,
-        eval_interval=10,
-        eval_batches=2,
-        log_interval=5,
-        progress=False,
-        out=str(out),
-    )
-    base.update(kw)
-    return make_config(**base)
+    return tiny_config(out, **{**LEARNING_RUN, **kw})
 
 
 # every rule of the report's ablation table; tiny models: L = 4 sublayers
