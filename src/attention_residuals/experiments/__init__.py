@@ -17,7 +17,7 @@ Compute is counted as ``C = flops_per_token * tokens`` with ``flops_per_token = 
 (N non-embedding parameters, T the context), in PFLOP/s-days (8.64e19 FLOPs) as in the report.
 """
 
-from .analyses import compute_advantage, fit_power_law
+from .analyses import compute_advantage, compute_for_loss, fit_power_law
 from .command import build_parser, main
 from .report import write_report
 from .runner import BudgetClash, check_budget, run_experiment
@@ -46,6 +46,7 @@ __all__ = [
     "build_parser",
     "check_budget",
     "compute_advantage",
+    "compute_for_loss",
     "fit_power_law",
     "main",
     "run_experiment",

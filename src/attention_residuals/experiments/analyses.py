@@ -37,12 +37,16 @@ def fit_power_law(compute: list[float], loss: list[float]) -> tuple[float, float
     return float(math.exp(intercept)), float(-slope)
 
 
+def compute_for_loss(fit: tuple[float, float], loss: float) -> float:
+    """The compute at which the power law ``fit`` = (A, α), L = A·C^-α, reaches ``loss``."""
+    a, alpha = fit
+    return (loss / a) ** (-1.0 / alpha)
+
+
 def compute_advantage(base: tuple[float, float], other: tuple[float, float], compute: float) -> float:
     """How much more compute the baseline needs to reach ``other``'s loss at ``compute``."""
-    a_b, alpha_b = base
     a_o, alpha_o = other
-    target = a_o * compute**-alpha_o
-    return (target / a_b) ** (-1.0 / alpha_b) / compute
+    return compute_for_loss(base, a_o * compute**-alpha_o) / compute
 
 
 def _final(s: dict) -> float:
@@ -125,7 +129,7 @@ def _scaling(todo, summaries, exp_dir, budget, meta) -> dict:
 
 def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
     """The scaling tables with every size at the study's largest budget, where the early-regime
-    sweep (``scaling``) trains 0.44-3.3 tokens/param."""
+    sweep (``scaling``) trains ~0.4-3.3 tokens/param."""
     out, lines = _scaling_tables(todo, summaries, exp_dir, budget)
     tpp = sorted(set(_tokens_per_param(todo).values()))
     sizes = dict.fromkeys((s.group, s.overrides["n_layer"]) for s in todo)
@@ -152,8 +156,21 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
     for r in rows:
         by_variant.setdefault(r["variant"], []).append((r["compute_pfs_days"], r["val_loss"]))
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
-    cmax = max(r["compute_pfs_days"] for r in rows)
-    advantage = {v: compute_advantage(fits["prenorm"], f, cmax) for v, f in fits.items() if "prenorm" in fits}
+    # each variant at its own largest compute: its fit read inside its range; and its measured loss
+    # against PreNorm's measured loss at its largest compute, through PreNorm's fitted exponent only
+    # (PreNorm's own fit residual there cancels)
+    last = {v: max(pts) for v, pts in by_variant.items()}
+    advantage, measured = {}, {}
+    if "prenorm" in fits:
+        own = compute_for_loss(fits["prenorm"], last["prenorm"][1]) / last["prenorm"][0]
+        for v, f in fits.items():
+            c, loss = last[v]
+            advantage[v] = compute_advantage(fits["prenorm"], f, c)
+            measured[v] = compute_for_loss(fits["prenorm"], loss) / c / own
+    past = max(
+        (x[v] * last[v][0] / last["prenorm"][0] for x in (advantage, measured) for v in x if v != "prenorm"),
+        default=1.0,
+    )
     _plot_scaling(rows, fits, exp_dir / "scaling.png")
     lines = [
         "| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
@@ -167,21 +184,35 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
     lines += [
         "",
         "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
-        f"T = context; val loss: the mean over {budget.seeds} seed(s); fit: least squares of log mean loss "
+        "T = context; val loss: the mean over the row's seeds; fit: least squares of log mean loss "
         "on log C.",
         "",
-        "| variant | A | α | compute advantage over baseline at largest C | report A, α |",
-        "|---|---|---|---|---|",
+        "| variant | A | α | its largest C | compute advantage: from the fits | from the measured losses "
+        "| report A, α |",
+        "|---|---|---|---|---|---|---|",
     ]
     for v, (a, alpha) in fits.items():
         rep = REPORT_SCALING.get(v)
         rep_s = f"{rep[0]}, {rep[1]}" if rep else "—"
-        lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {advantage.get(v, float('nan')):.2f}× | {rep_s} |")
+        adv = [f"{d[v]:.2f}×" if v in d else "—" for d in (advantage, measured)]
+        lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {last[v][0]:.3e} | {adv[0]} | {adv[1]} | {rep_s} |")
+    if "prenorm" in fits:
+        lines += [
+            "",
+            "Compute advantage: how much more compute PreNorm needs to reach the variant's loss at the "
+            "variant's largest C — from the fits (PreNorm's fit against the variant's fit there), or from "
+            "the measured mean losses at the two largest runs, converted to compute with PreNorm's fitted "
+            "exponent alone. An advantage above 1 reads PreNorm's fit beyond PreNorm's largest run (here up to "
+            f"{past:.2f}× past it): an extrapolation of slopes fitted to {len(by_variant['prenorm'])} "
+            "points, not a measured comparison. A depends on the loss's and C's units, so only α "
+            "compares with the report's.",
+        ]
     return {
         "rows": rows,
         "fits": {v: {"A": a, "alpha": al} for v, (a, al) in fits.items()},
-        "advantage_at_max_compute": advantage,
-        "max_compute_pfs_days": cmax,
+        "advantage_at_largest_compute": advantage,
+        "advantage_from_measured_loss": measured,
+        "largest_compute_pfs_days": {v: c for v, (c, _) in last.items()},
     }, lines
 
 
@@ -211,7 +242,8 @@ def _paired_verdict(per_seed: list[float]) -> str:
 
 
 def _seeds_cell(losses: list[float]) -> str:
-    """``mean ± std`` over seeds, or the one seed's loss marked as such (a std of one is no spread)."""
+    """``mean ± std`` over seeds (the sample std, n − 1), or the one seed's loss marked as such (a std
+    of one is no spread)."""
     if len(losses) == 1:
         return f"{losses[0]:.4f} (1 seed)"
     mean, std = _mean_std(losses)
@@ -250,7 +282,7 @@ def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[s
         cell = _delta_cell(by_seed[v], by_seed["baseline"]) if paired and base else None
         if paired:
             r["per_seed"] = cell["per_seed"] if cell else []
-        if base is None or (cell is not None and not cell["per_seed"]):
+        if base is None or (paired and cell is None):
             r.update(delta=None, verdict="—")
         else:
             r["delta"] = cell["mean"] if cell else r["mean"] - base["mean"]
@@ -276,6 +308,13 @@ def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[s
 
 def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     table, lines = _ablation_table(todo, summaries)
+    lines += [
+        "",
+        "Val loss: mean ± sample std (n − 1) over seeds; Δ: the difference of the means; verdict: "
+        "within noise when |Δ| ≤ the larger of the two seed stds. The report column is its 48B "
+        "ablation: a different scale, for direction only.",
+    ]
+    lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -296,7 +335,8 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         f"S = {S} (N = {_n_blocks(n_layer, S)} blocks). baseline, full, block_s{S} and the _h{n_head} rows "
         "are the budget study's runs. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
         "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
-        "RMSNorm. Δ: paired by seed (mean, then each seed); verdict: the sign of Δ on each seed "
+        "RMSNorm. Val loss: mean ± sample std (n − 1). Δ: paired by seed (mean, then each seed); "
+        "verdict: the sign of Δ on each seed "
         "(two seeds give a direction, not a significance test). "
         "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
         f"block_s{S}): a different scale, for direction only.",
@@ -329,9 +369,9 @@ def _blocksize(todo, summaries, exp_dir, budget, meta) -> dict:
     fig.tight_layout()
     fig.savefig(exp_dir / "blocksize.png", dpi=120)
     lines = ["| S | val loss (mean ± std) |", "|---|---|"]
-    lines += [f"| {s} | {r['mean']:.4f} ± {r['std']:.4f} |" for s, r in points]
+    lines += [f"| {s} | {_seeds_cell(r['losses'])} |" for s, r in points]
     if base:
-        lines.append(f"| baseline | {base['mean']:.4f} ± {base['std']:.4f} |")
+        lines.append(f"| baseline | {_seeds_cell(base['losses'])} |")
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -543,11 +583,14 @@ def _paired_deltas(todo, summaries, key) -> dict:
     return out
 
 
-def _delta_cell(losses: dict[int, float], base: dict[int, float]) -> dict:
-    """Δ = variant − baseline, paired by seed: mean, the per-seed values, and their spread."""
+def _delta_cell(losses: dict[int, float], base: dict[int, float]) -> dict | None:
+    """Δ = variant − baseline, paired by seed: mean, the per-seed values, and their spread; ``None``
+    when the two share no finished seed (an interim table)."""
     deltas = [losses[s] - base[s] for s in sorted(losses) if s in base]
+    if not deltas:
+        return None
     return {
-        "mean": float(np.mean(deltas)) if deltas else float("nan"),
+        "mean": float(np.mean(deltas)),
         "per_seed": deltas,
         "spread": float(max(deltas) - min(deltas)) if len(deltas) > 1 else 0.0,
     }
@@ -566,7 +609,10 @@ def _budget_rows(todo, summaries, tpp_of) -> list[dict]:
             "tokens": summaries[some.name]["tokens"],
             "steps": some.overrides["steps"],
             "prenorm": _mean_std(list(base.values())) if base else None,
-            "deltas": {v: _delta_cell(ls, base) for v, ls in by_var.items() if v != "prenorm" and base},
+            "prenorm_per_seed": base,
+            "deltas": {
+                v: cell for v, ls in by_var.items() if v != "prenorm" and (cell := _delta_cell(ls, base))
+            },
         }
         rows.append(row)
     return rows
@@ -600,7 +646,8 @@ def _plot_budget(rows: list[dict], path: Path, planned_tpp: list[float]) -> None
         ax.set_xlabel("training tokens per parameter")
         ax.set_ylabel("Δ val loss vs PreNorm (nats; < 0: better)")
         ax.set_title(group.replace("_", ", ").replace("L", "L = ", 1))
-        ax.legend(fontsize=8)
+        if variants:  # an interim table may have no Δ yet
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -614,7 +661,7 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         "|---" * (5 + len(variants)) + "|",
     ]
     for r in rows:
-        pre = f"{r['prenorm'][0]:.4f} ± {r['prenorm'][1]:.4f}" if r["prenorm"] else "—"
+        pre = _seeds_cell(list(r["prenorm_per_seed"].values())) if r["prenorm_per_seed"] else "—"
         cell = [
             (
                 f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})"
@@ -630,8 +677,8 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         )
     lines += [
         "",
-        "Δ = variant − PreNorm final validation loss, paired by seed: the mean, then each seed's Δ in "
-        "brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
+        "PreNorm val loss: mean ± sample std (n − 1) over seeds. Δ = variant − PreNorm final validation "
+        "loss, paired by seed: the mean, then each seed's Δ in brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
         f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model. "
         + "; ".join(
             f"L{2 * n}: d {d}, n_layer {n}, {h} attention heads, {baseline_params(d, n, h):,} parameters, "
@@ -653,7 +700,7 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     """Final val loss per (corpus and depth, tokens/param, variant); Δ vs PreNorm paired by seed."""
     tpp_of = _tokens_per_param(todo)
     rows = _budget_rows(todo, summaries, tpp_of)
-    _plot_budget(rows, exp_dir / "budget.png", list(tpp_of.values()))
+    _plot_budget(rows, exp_dir / "budget.png", list(budget.tokens_per_param))
     depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
     lines = _budget_table(rows, budget, meta) + _depth_table(depth)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -688,10 +735,7 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
             cells = [_seeds_cell(list(per_lr[lr].values())) if lr in per_lr else "—" for lr in lrs]
             shared = _delta_cell(per_lr.get(budget.lr, {}), base.get(budget.lr, {})) if base else None
             own = _delta_cell(per_lr[best[v]], base[best["prenorm"]]) if base else None
-            fmt = [
-                ("—" if v == "prenorm" or c is None or not c["per_seed"] else f"{c['mean']:+.4f}")
-                for c in (shared, own)
-            ]
+            fmt = [("—" if v == "prenorm" or c is None else f"{c['mean']:+.4f}") for c in (shared, own)]
             lines.append(f"| {v} | " + " | ".join(cells) + f" | {best[v]:g} | {fmt[0]} | {fmt[1]} |")
             out[group][v] = {
                 "per_lr": {str(lr): per_lr[lr] for lr in per_lr},
@@ -701,8 +745,10 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
             }
         lines.append("")
     lines += [
-        f"Val loss mean ± std over seeds; the shared lr is {budget.lr:g}. Δ = variant − PreNorm paired by "
-        "seed, at the shared lr and with each variant (PreNorm included) at its own best lr."
+        f"Val loss mean ± sample std (n − 1) over seeds; the shared lr is {budget.lr:g}. Δ = variant − "
+        "PreNorm paired by seed, at the shared lr and with each variant (PreNorm included) at its own best "
+        "lr — the lr with the lowest mean of these same final losses, a choice that favours every variant "
+        "alike (no held-out selection)."
     ]
     lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -819,7 +865,9 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
                 for c in (vs_base, vs_plain)
             ]
             stats = [f"{end[k]:.3f}" if end[k] is not None else "—" for k in end]
-            lines.append(f"| {tpp:g} | {v} | {mean:.4f} ± {std:.4f} | " + " | ".join(fmt + stats) + " |")
+            lines.append(
+                f"| {tpp:g} | {v} | {_seeds_cell(list(losses.values()))} | " + " | ".join(fmt + stats) + " |"
+            )
     lines += [
         "",
         f"{corpus_tag(budget.corpora[0]).capitalize()} corpus, {2 * budget.study_shapes[0][1]} sublayers "

@@ -32,9 +32,11 @@ def _budget_line(experiment: str, meta: dict, root: Path) -> list[str]:
     if max(ratios) < EARLY_REGIME_BELOW:
         line += (
             " **Early regime**: every run stops well short of the ~20 tokens per parameter of a "
-            "compute-optimal budget, where AttnRes's lead is largest; `budget`, `lr` and the `long-*` "
-            "sections train 20."
+            "compute-optimal budget, and AttnRes's lead is larger early than at 20 (see `budget`)"
         )
+        if budget.tokens_per_param:
+            line += f"; `budget`, `lr` and the `long-*` sections train up to {max(budget.tokens_per_param):g}"
+        line += "."
     return [line, ""]
 
 

@@ -244,6 +244,11 @@ def run_experiment(
         raise ValueError(f"--budget: expected one of {tuple(BUDGETS)}, got {budget_name!r}")
     if experiment not in EXPERIMENTS:
         raise ValueError(f"experiment: expected one of {EXPERIMENTS}, got {experiment!r}")
+    if partial and only:
+        raise ValueError(
+            f"--only {' '.join(only)}: --partial tabulates every finished run of {experiment}; "
+            "expected --only or --partial, not both"
+        )
     root = DEFAULT_ROOTS[budget_name] if root is None else root
     budget, exp_dir = BUDGETS[budget_name], Path(root) / experiment
     if not force:

@@ -27,6 +27,32 @@ def test_compute_advantage_matches_report():
     assert math.isclose(ex.compute_advantage((1.891, 0.057), (1.891, 0.057), 5.6), 1.0)
 
 
+def test_compute_for_loss_inverts_the_power_law():
+    assert math.isclose(ex.compute_for_loss((1.9, 0.057), 1.9 * 3.0**-0.057), 3.0, rel_tol=1e-12)
+
+
+def test_scaling_advantage_is_read_at_each_variants_largest_compute_and_flagged_as_extrapolated(tmp_path):
+    """A variant whose every loss equals PreNorm's at twice the compute is worth 2x, from its fit and
+    from the measured losses; reaching it takes PreNorm's fit 2x past PreNorm's largest run, said so."""
+    budget = ex.BUDGETS["full"]
+    todo = [s for s in ex.specs("scaling", budget) if s.variant in ("prenorm", "block")]
+    sizes = sorted({s.group for s in todo}, key=[s.group for s in todo].index)
+    law = (2.0, 0.05)
+
+    def summary(s):
+        flops = 1e6 * 10 ** sizes.index(s.group)
+        c = flops * 1e6 / analyses.PFLOPS_DAY * (2.0 if s.variant == "block" else 1.0)
+        loss = law[0] * c ** -law[1]
+        return {"flops_per_token": flops, "tokens": 1e6, "params": 1, "final_val_loss": loss, "train_s": 1.0}
+
+    out = analyses._scaling(todo, {s.name: summary(s) for s in todo}, tmp_path, budget, {})
+    assert out["advantage_at_largest_compute"]["block"] == pytest.approx(2.0, rel=1e-9)
+    assert out["advantage_from_measured_loss"]["block"] == pytest.approx(2.0, rel=1e-9)
+    table = (tmp_path / "table.md").read_text()
+    assert "| block | " in table and "| 2.00× | 2.00× |" in table
+    assert f"up to 2.00× past it): an extrapolation of slopes fitted to {len(sizes)} points" in table
+
+
 def test_scaling_averages_the_seeds_of_a_point(tmp_path):
     """Every variant runs every seed of the budget; a point's loss is the mean of its seeds, the fit
     runs on the means and the table lists each seed."""
@@ -200,6 +226,30 @@ def test_an_experiment_a_preset_does_not_define_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--preset report: defines no runs of long-ablation; it has \("):
         ex.run_experiment("long-ablation", "report", tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_partial_with_only_is_refused_before_anything_is_written(tmp_path):
+    """``--partial`` tabulates every finished run: an ``--only`` beside it would be silently ignored."""
+    with pytest.raises(ValueError, match=r"--only full: --partial tabulates every finished run of ablation"):
+        ex.run_experiment("ablation", "quick", tmp_path, only=["full"], partial=True)
+    assert not any(tmp_path.iterdir())
+
+
+def test_budget_interim_table_marks_one_seed_and_a_delta_with_no_shared_seed(tmp_path):
+    """``--partial`` with PreNorm's seed 0 and Full's seed 1 finished: PreNorm's loss is marked as one
+    seed (not ``± 0``), Full's Δ is "—" (no seed to pair), never NaN; the plot spans the planned budgets."""
+    budget = dataclasses.replace(ex.BUDGETS["quick"], seeds=2)
+    todo = [
+        s
+        for s in ex.specs("budget", budget)
+        if (s.variant, s.seed) in {("prenorm", 0), ("full", 1)} and s.group.endswith("L2")
+    ]
+    summaries = {s.name: {"final_val_loss": 3.0, "tokens": 10, "run_dir": ""} for s in todo}
+    analyses._budget(todo, summaries, tmp_path, budget, {"runs_planned": 40, "runs_finished": len(todo)})
+    table = (tmp_path / "table.md").read_text()
+    assert "3.0000 (1 seed)" in table and "± 0.0000" not in table
+    assert "nan" not in table and "Δ full" not in table
+    assert (tmp_path / "budget.png").exists()
 
 
 def test_queries_interim_table_with_only_the_baseline_finished(tmp_path):
