@@ -336,8 +336,7 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         "are the budget study's runs. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
         "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
         "RMSNorm. Val loss: mean ± sample std (n − 1). Δ: paired by seed (mean, then each seed); "
-        "verdict: the sign of Δ on each seed "
-        "(two seeds give a direction, not a significance test). "
+        "verdict: the sign of Δ on each seed (two seeds give a direction, not a significance test). "
         "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
         f"block_s{S}): a different scale, for direction only.",
     ]
@@ -678,7 +677,8 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
     lines += [
         "",
         "PreNorm val loss: mean ± sample std (n − 1) over seeds. Δ = variant − PreNorm final validation "
-        "loss, paired by seed: the mean, then each seed's Δ in brackets. Every budget is its own run with its own cosine schedule (warmup 5 %), lr "
+        "loss, paired by seed: the mean, then each seed's Δ in brackets. Every budget is its own run "
+        "with its own cosine schedule (warmup 5 %), lr "
         f"{budget.lr:g} for every variant; tokens/param counts all parameters of the PreNorm model. "
         + "; ".join(
             f"L{2 * n}: d {d}, n_layer {n}, {h} attention heads, {baseline_params(d, n, h):,} parameters, "
