@@ -20,9 +20,17 @@ from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
-from .specs import PFLOPS_DAY, REPORT_ABLATION, REPORT_SCALING, baseline_params, block_size_for, corpus_tag
+from .specs import (
+    PFLOPS_DAY,
+    REPORT_ABLATION,
+    REPORT_SCALING,
+    baseline_params,
+    block_size_for,
+    corpus_tag,
+    long_ablation_variants,
+)
 
-__all__ = ["ANALYSES", "DEPTH_FILE", "compute_advantage", "fit_power_law"]
+__all__ = ["ANALYSES", "DEPTH_FILE", "compute_advantage", "compute_for_loss", "fit_power_law"]
 
 DEPTH_FILE = "depth_weights.json"  # a trained run's depth-weight summary, kept beside its summary.json
 
@@ -324,6 +332,7 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     table, lines = _ablation_table(todo, summaries, paired=True)
     d, n_layer, n_head = budget.study_shapes[0]
     S = block_size_for(n_layer)
+    H = long_ablation_variants(n_layer, d, n_head)["multihead"]["depth_heads"]
     some = todo[0]
     lines += [
         "",
@@ -333,7 +342,8 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         f"tokens/param ({some.overrides['steps']} steps, {summaries[some.name]['tokens']:,} tokens), its "
         f"own cosine schedule (warmup 5 %), lr {budget.lr:g} for every variant; the Block rows at "
         f"S = {S} (N = {_n_blocks(n_layer, S)} blocks). baseline, full, block_s{S} and the _h{n_head} rows "
-        "are the budget study's runs. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
+        f"are the budget study's runs; multihead: Block with {H} depth heads (d/H = {d // H}), the "
+        f"report's row, where _h{n_head} has one per attention head. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
         "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
         "RMSNorm. Val loss: mean ± sample std (n − 1). Δ: paired by seed (mean, then each seed); "
         "verdict: the sign of Δ on each seed (two seeds give a direction, not a significance test). "
