@@ -231,12 +231,6 @@ def _seeded_table(todo, summaries) -> dict[str, dict]:
     return {v: {"losses": ls, "mean": _mean_std(ls)[0], "std": _mean_std(ls)[1]} for v, ls in groups.items()}
 
 
-def _verdict(delta: float, spread: float) -> str:
-    if spread == 0.0:
-        return "one seed"
-    return "within noise" if abs(delta) <= spread else ("better" if delta < 0 else "worse")
-
-
 def _paired_verdict(per_seed: list[float]) -> str:
     """The sign of Δ on each seed: with two seeds a direction, not a significance test — the paired
     Δs share the baseline's seed, so they are judged against each other, not the unpaired seed std."""
@@ -270,46 +264,35 @@ def _interim(meta: dict) -> list[str]:
     return ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
 
 
-def _ablation_table(todo, summaries, paired: bool = False) -> tuple[dict, list[str]]:
-    """Each variant's loss over seeds and Δ vs the baseline — the difference of the means, or with
-    ``paired`` the mean of the per-seed differences (listed too) — a verdict (paired: the sign on
-    each seed; otherwise |Δ| against the seed spread), and the report's number beside it (its Block
-    row for ours at any S)."""
+def _ablation_table(todo, summaries) -> tuple[dict, list[str]]:
+    """Each variant's loss over seeds, Δ vs the baseline paired by seed (the mean of the per-seed
+    differences, listed too), a verdict from the sign on each seed, and the report's number beside
+    it (its Block row for ours at any S)."""
     table = _seeded_table(todo, summaries)
     base = table.get("baseline")  # absent in an interim table before the baseline finished
-    by_seed = _paired_deltas(todo, summaries, lambda spec: "all")["all"] if paired else {}
-    seed_col = " Δ per seed |" if paired else ""
+    by_seed = _paired_deltas(todo, summaries, lambda spec: "all")["all"]
     lines = [
-        f"| variant | val loss (mean ± std) | Δ vs baseline |{seed_col} verdict | report | report Δ |",
-        "|---" * (6 + paired) + "|",
+        "| variant | val loss (mean ± std) | Δ vs baseline | Δ per seed | verdict | report | report Δ |",
+        "|---" * 7 + "|",
     ]
     for v, r in table.items():
         rep = REPORT_ABLATION.get("block_s4" if v.startswith("block_s") else v)
         rep_s = f"{rep:.3f}" if rep else "—"
         rep_d = f"{rep - REPORT_ABLATION['baseline']:+.3f}" if rep else "—"
-        cell = _delta_cell(by_seed[v], by_seed["baseline"]) if paired and base else None
-        if paired:
-            r["per_seed"] = cell["per_seed"] if cell else []
-        if base is None or (paired and cell is None):
+        cell = _delta_cell(by_seed[v], by_seed["baseline"]) if base else None
+        r["per_seed"] = cell["per_seed"] if cell else []
+        if cell is None:
             r.update(delta=None, verdict="—")
         else:
-            r["delta"] = cell["mean"] if cell else r["mean"] - base["mean"]
-            few = min(len(r["losses"]), len(base["losses"])) < 2
+            r["delta"] = cell["mean"]
             if v == "baseline":
                 r["verdict"] = "reference"
-            elif few:
-                r["verdict"] = "one seed"
-            elif paired:
-                r["verdict"] = _paired_verdict(r["per_seed"])
             else:
-                r["verdict"] = _verdict(r["delta"], max(r["std"], base["std"]))
+                r["verdict"] = _paired_verdict(r["per_seed"])
         delta = "—" if r["delta"] is None else f"{r['delta']:+.4f}"
-        seeds = ""
-        if paired:
-            per = ", ".join(f"{d:+.4f}" for d in r["per_seed"]) if v != "baseline" and r["per_seed"] else "—"
-            seeds = f" {per} |"
+        per = ", ".join(f"{d:+.4f}" for d in r["per_seed"]) if v != "baseline" and r["per_seed"] else "—"
         lines.append(
-            f"| {v} | {_seeds_cell(r['losses'])} | {delta} |{seeds} {r['verdict']} | {rep_s} | {rep_d} |"
+            f"| {v} | {_seeds_cell(r['losses'])} | {delta} | {per} | {r['verdict']} | {rep_s} | {rep_d} |"
         )
     return table, lines
 
@@ -318,9 +301,9 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     table, lines = _ablation_table(todo, summaries)
     lines += [
         "",
-        "Val loss: mean ± sample std (n − 1) over seeds; Δ: the difference of the means; verdict: "
-        "within noise when |Δ| ≤ the larger of the two seed stds. The report column is its 48B "
-        "ablation: a different scale, for direction only.",
+        "Val loss: mean ± sample std (n − 1) over seeds; Δ: paired by seed (mean, then each seed); "
+        "verdict: the sign of Δ on each seed (two seeds give a direction, not a significance test). "
+        "The report column is its 48B ablation: a different scale, for direction only.",
     ]
     lines += _interim(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
@@ -329,7 +312,7 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
 
 def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
     """The ablation at the budget study's largest budget, Δ paired by seed, and what it was run at."""
-    table, lines = _ablation_table(todo, summaries, paired=True)
+    table, lines = _ablation_table(todo, summaries)
     d, n_layer, n_head = budget.study_shapes[0]
     S = block_size_for(n_layer)
     H = long_ablation_variants(n_layer, d, n_head)["multihead"]["depth_heads"]
