@@ -205,15 +205,20 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
         adv = [f"{d[v]:.2f}×" if v in d else "—" for d in (advantage, measured)]
         lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {last[v][0]:.3e} | {adv[0]} | {adv[1]} | {rep_s} |")
     if "prenorm" in fits:
+        n = len(by_variant["prenorm"])
+        reach = (
+            f"An advantage above 1 reads PreNorm's fit beyond PreNorm's largest run (here up to {past:.2f}× "
+            f"past it): an extrapolation of slopes fitted to {n} points, not a measured comparison."
+            if past > 1
+            else f"Every advantage reads PreNorm's fit ({n} points) within the compute PreNorm was run at."
+        )
         lines += [
             "",
             "Compute advantage: how much more compute PreNorm needs to reach the variant's loss at the "
             "variant's largest C — from the fits (PreNorm's fit against the variant's fit there), or from "
             "the measured mean losses at the two largest runs, converted to compute with PreNorm's fitted "
-            "exponent alone. An advantage above 1 reads PreNorm's fit beyond PreNorm's largest run (here up to "
-            f"{past:.2f}× past it): an extrapolation of slopes fitted to {len(by_variant['prenorm'])} "
-            "points, not a measured comparison. A depends on the loss's and C's units, so only α "
-            "compares with the report's.",
+            f"exponent alone. {reach} A depends on the loss's and C's units, so only α compares with the "
+            "report's.",
         ]
     return {
         "rows": rows,
