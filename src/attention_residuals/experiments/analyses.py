@@ -160,9 +160,17 @@ def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
 def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
     """The per-point table, the power-law fits and compute advantages, and the plot."""
     rows = _scaling_rows(todo, summaries)
+    # fit every variant over the same sizes: an interim table's sizes that not every variant has
+    # finished are listed but not fitted (a longer fit range alone would move a variant's advantage)
+    sizes_of: dict[str, set[str]] = {}
+    for r in rows:
+        sizes_of.setdefault(r["variant"], set()).add(r["size"])
+    common = set.intersection(*sizes_of.values()) if sizes_of else set()
+    unfitted = sorted({r["size"] for r in rows} - common, key=[r["size"] for r in rows].index)
     by_variant: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        by_variant.setdefault(r["variant"], []).append((r["compute_pfs_days"], r["val_loss"]))
+        if r["size"] in common:
+            by_variant.setdefault(r["variant"], []).append((r["compute_pfs_days"], r["val_loss"]))
     fits = {v: fit_power_law(*zip(*pts)) for v, pts in by_variant.items() if len(pts) >= 2}
     # each variant at its own largest compute: its fit read inside its range; and its measured loss
     # against PreNorm's measured loss at its largest compute, through PreNorm's fitted exponent only
@@ -193,7 +201,12 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
         "",
         "C = (6 N + 12 n_layer d T) × tokens, N = non-embedding parameters (LM head included), "
         "T = context; val loss: the mean over the row's seeds; fit: least squares of log mean loss "
-        "on log C.",
+        "on log C"
+        + (
+            f", over the sizes every variant has finished ({', '.join(unfitted)} listed, not fitted)."
+            if unfitted
+            else "."
+        ),
         "",
         "| variant | A | α | its largest C | compute advantage: from the fits | from the measured losses "
         "| report A, α |",
@@ -207,7 +220,7 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
     if "prenorm" in fits:
         n = len(by_variant["prenorm"])
         reach = (
-            f"An advantage above 1 reads PreNorm's fit beyond PreNorm's largest run (here up to {past:.2f}× "
+            f"An advantage above 1 reads PreNorm's fit beyond PreNorm's largest fitted run (here up to {past:.2f}× "
             f"past it): an extrapolation of slopes fitted to {n} points, not a measured comparison."
             if past > 1
             else f"Every advantage reads PreNorm's fit ({n} points) within the compute PreNorm was run at."

@@ -60,6 +60,27 @@ def test_scaling_advantage_is_read_at_each_variants_largest_compute_and_flagged_
         assert f"PreNorm's fit ({len(sizes)} points) within the compute PreNorm was run at" in table
 
 
+def test_interim_scaling_fits_every_variant_over_the_same_sizes(tmp_path):
+    """PreNorm finished at a size Block has not: the row is listed, the fits (and so the advantage)
+    use only the sizes both have, and the note names the size left out."""
+    budget = ex.BUDGETS["full"]
+    every = [s for s in ex.specs("scaling", budget) if s.variant in ("prenorm", "block")]
+    sizes = sorted({s.group for s in every}, key=[s.group for s in every].index)
+    todo = [s for s in every if s.variant == "prenorm" or s.group != sizes[-1]]
+
+    def summary(s):  # PreNorm's largest point well off its law: fitted, it would move PreNorm's fit
+        flops = 1e6 * 10 ** sizes.index(s.group)
+        loss = 2.0 * (flops * 1e6 / analyses.PFLOPS_DAY) ** -0.05 * (0.8 if s.group == sizes[-1] else 1.0)
+        return {"flops_per_token": flops, "tokens": 1e6, "params": 1, "final_val_loss": loss, "train_s": 1.0}
+
+    out = analyses._scaling(todo, {s.name: summary(s) for s in todo}, tmp_path, budget, {})
+    assert out["fits"]["prenorm"]["alpha"] == pytest.approx(0.05, rel=1e-9)
+    assert out["advantage_at_largest_compute"]["block"] == pytest.approx(1.0, rel=1e-9)
+    table = (tmp_path / "table.md").read_text()
+    assert f"| {sizes[-1]} | prenorm |" in table
+    assert f"over the sizes every variant has finished ({sizes[-1]} listed, not fitted)" in table
+
+
 def test_scaling_averages_the_seeds_of_a_point(tmp_path):
     """Every variant runs every seed of the budget; a point's loss is the mean of its seeds, the fit
     runs on the means and the table lists each seed."""
