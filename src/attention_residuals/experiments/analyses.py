@@ -183,10 +183,6 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
             c, loss = last[v]
             advantage[v] = compute_advantage(fits["prenorm"], f, c)
             measured[v] = compute_for_loss(fits["prenorm"], loss) / c / own
-    past = max(
-        (x[v] * last[v][0] / last["prenorm"][0] for x in (advantage, measured) for v in x if v != "prenorm"),
-        default=1.0,
-    )
     _plot_scaling(rows, fits, exp_dir / "scaling.png")
     lines = [
         "| size | variant | params | tokens | C (PFLOP/s-days) | val loss | seeds | per seed |",
@@ -219,9 +215,20 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
         lines.append(f"| {v} | {a:.4f} | {alpha:.4f} | {last[v][0]:.3e} | {adv[0]} | {adv[1]} | {rep_s} |")
     if "prenorm" in fits:
         n = len(by_variant["prenorm"])
+        # how far past PreNorm's largest fitted run its fit is read (above 1: extrapolated)
+        past = max(
+            (
+                x[v] * last[v][0] / last["prenorm"][0]
+                for x in (advantage, measured)
+                for v in x
+                if v != "prenorm"
+            ),
+            default=1.0,
+        )
         reach = (
-            f"An advantage above 1 reads PreNorm's fit beyond PreNorm's largest fitted run (here up to {past:.2f}× "
-            f"past it): an extrapolation of slopes fitted to {n} points, not a measured comparison."
+            "An advantage above 1 reads PreNorm's fit beyond PreNorm's largest fitted run (here up to "
+            f"{past:.2f}× past it): an extrapolation of slopes fitted to {n} points, not a measured "
+            "comparison."
             if past > 1
             else f"Every advantage reads PreNorm's fit ({n} points) within the compute PreNorm was run at."
         )
@@ -344,9 +351,10 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         f"own cosine schedule (warmup 5 %), lr {budget.lr:g} for every variant; the Block rows at "
         f"S = {S} (N = {_n_blocks(n_layer, S)} blocks). baseline, full, block_s{S} and the _h{n_head} rows "
         f"are the budget study's runs; multihead: Block with {H} depth heads (d/H = {d // H}), the "
-        f"report's row, where _h{n_head} has one per attention head. _query_init: the pseudo-queries drawn from N(0, 1/d) instead of "
-        "zero (the rest of the start is its zero-init twin's); _key_gain: a learnable gain in the key "
-        "RMSNorm. Val loss: mean ± sample std (n − 1). Δ: paired by seed (mean, then each seed); "
+        f"report's row, where _h{n_head} has one per attention head. _query_init: the pseudo-queries "
+        "drawn from N(0, 1/d) instead of zero (the rest of the start is its zero-init twin's); "
+        "_key_gain: a learnable gain in the key RMSNorm. Val loss: mean ± sample std (n − 1). "
+        "Δ: paired by seed (mean, then each seed); "
         "verdict: the sign of Δ on each seed (two seeds give a direction, not a significance test). "
         "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
         f"block_s{S}): a different scale, for direction only.",
@@ -618,8 +626,7 @@ def _budget_rows(todo, summaries, tpp_of) -> list[dict]:
             "tokens_per_param": tpp,
             "tokens": summaries[some.name]["tokens"],
             "steps": some.overrides["steps"],
-            "prenorm": _mean_std(list(base.values())) if base else None,
-            "prenorm_per_seed": base,
+            "prenorm": base,  # {seed: val loss}
             "deltas": {
                 v: cell for v, ls in by_var.items() if v != "prenorm" and (cell := _delta_cell(ls, base))
             },
@@ -671,7 +678,7 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         "|---" * (5 + len(variants)) + "|",
     ]
     for r in rows:
-        pre = _seeds_cell(list(r["prenorm_per_seed"].values())) if r["prenorm_per_seed"] else "—"
+        pre = _seeds_cell(list(r["prenorm"].values())) if r["prenorm"] else "—"
         cell = [
             (
                 f"{c['mean']:+.4f} ({', '.join(f'{d:+.4f}' for d in c['per_seed'])})"
