@@ -194,10 +194,16 @@ def long_ablation_variants(n_layer: int, d_model: int, n_head: int) -> dict[str,
     """The ablation rows on the budget study's model, its Block at the study's block size, plus
     the knobs that could explain a lead shrinking with budget, each one change from Block and from
     Full: the pseudo-queries drawn at std 1/sqrt(d) instead of zero (logits of std ~1 at step 0:
-    the mix starts away from uniform) and a learnable key-norm gain (production AttnRes has one).
-    The study's multi-head rows (``depth_heads = n_head``) stand beside the report's 16-head row."""
+    the mix starts away from uniform), a learnable key-norm gain (production AttnRes has one) and
+    the depth-mixing parameters decayed like the matrices (0.1, towards zero: a uniform mix) where
+    they are not decayed at all. The study's multi-head rows (``depth_heads = n_head``) stand
+    beside the report's 16-head row."""
     block = {"residual": "block", "block_size": block_size_for(n_layer)}
-    knobs = {"query_init": {"query_init_std": round(d_model**-0.5, 4)}, "key_gain": {"key_norm_gain": True}}
+    knobs = {
+        "query_init": {"query_init_std": round(d_model**-0.5, 4)},
+        "key_gain": {"key_norm_gain": True},
+        "query_decay": {"depth_weight_decay": 0.1},
+    }
     return {
         **ablation_variants(n_layer, d_model, block["block_size"]),
         **{v: o for v, o in study_variants(n_layer, n_head).items() if v.endswith(f"_h{n_head}")},

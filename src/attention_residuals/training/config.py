@@ -102,6 +102,12 @@ class TrainConfig:
         "logits: residual.*) as a multiple of --lr",
         gt=0,
     )
+    depth_weight_decay: float = _f(
+        0.0,
+        "decoupled weight decay of the depth-mixing parameters (residual.*): pulls the zero-initialised "
+        "pseudo-queries back towards zero, a uniform mix over depth (the default 0 leaves them free)",
+        ge=0,
+    )
     beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
     grad_clip: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)", ge=0)
@@ -259,19 +265,21 @@ class TrainConfig:
         _check_pipeline_options(self)
         if self.log_depth:
             _check_log_depth(self)
-        if self.depth_lr_scale != 1.0:
-            _check_depth_lr_scale(self)
+        for name, default in (("depth_lr_scale", 1.0), ("depth_weight_decay", 0.0)):
+            if getattr(self, name) != default:
+                _check_depth_parameters(self, name)
         self.data_options()
         LRSchedule(self.schedule, self.steps, self.warmup, self.min_lr / self.lr, self.decay_frac)
         return self
 
 
-def _check_depth_lr_scale(cfg: TrainConfig) -> None:
+def _check_depth_parameters(cfg: TrainConfig, option: str) -> None:
+    """``option`` acts on the depth-mixing parameters: refuse it for a rule that has none."""
     rule = cfg.model.residual.rule
     with torch.device("meta"):  # the rule's parameters, none allocated
         connection = RULES[rule](cfg.model.n_sublayers, cfg.model.d_model, config=cfg.model.residual)
     if not any(True for _ in connection.parameters()):
-        raise ValueError(f"depth_lr_scale: residual={rule!r} has no depth-mixing parameters to scale")
+        raise ValueError(f"{option}: residual={rule!r} has no depth-mixing parameters to act on")
 
 
 def _check_log_depth(cfg: TrainConfig) -> None:

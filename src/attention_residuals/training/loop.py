@@ -346,6 +346,7 @@ def build_state(cfg: TrainConfig, device: torch.device, mesh: DeviceMesh | None 
         weight_decay=cfg.weight_decay,
         betas=(cfg.beta1, cfg.beta2),
         depth_lr_scale=cfg.depth_lr_scale,
+        depth_weight_decay=cfg.depth_weight_decay,
     )
     scheduler = build_scheduler(
         optimizer,

@@ -4,7 +4,8 @@
   embedding, LM head); no decay on 1-D parameters (norm gains, biases) and on every parameter of
   the depth-mixing module ``model.residual`` (pseudo-queries, mixing logits...: decaying a
   zero-initialised query towards zero would fight the very thing AttnRes learns). With
-  ``depth_lr_scale != 1`` the depth-mixing parameters get a third group of their own.
+  ``depth_lr_scale != 1`` or ``depth_weight_decay != 0`` the depth-mixing parameters get a third
+  group of their own (the ablation of that choice).
 * ``muon`` — ``torch.optim.Muon`` for the 2-D weight matrices of the sublayers (attention and
   MLP projections), AdamW for everything else (embedding, LM head, norms, ``residual.*``). Muon
   uses ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's scaling), so one ``lr`` and one
@@ -164,10 +165,12 @@ def build_optimizer(
     momentum: float = 0.95,
     fused: bool | None = None,
     depth_lr_scale: float = 1.0,
+    depth_weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
     """AdamW (``name="adamw"``) or Muon + AdamW (``name="muon"``) over ``model``'s parameters;
-    ``depth_lr_scale != 1`` puts ``model.residual``'s parameters in a group of their own at
-    ``lr * depth_lr_scale`` (at 1 they stay in the no-decay group: the same groups as ever)."""
+    ``depth_lr_scale != 1`` or ``depth_weight_decay != 0`` puts ``model.residual``'s parameters in
+    a group of their own at ``lr * depth_lr_scale`` and that decoupled decay (at the defaults they
+    stay in the no-decay group: the same groups as ever)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer: expected one of {OPTIMIZERS}, got {name!r}")
     split = split_params(model)
@@ -175,14 +178,14 @@ def build_optimizer(
     if fused is not None:
         adam_kw["fused"] = fused
     no_decay = [_groups(split.no_decay, weight_decay=0.0)]
-    if depth_lr_scale != 1.0:
+    if depth_lr_scale != 1.0 or depth_weight_decay != 0.0:
         residual = getattr(model, "residual", None)
         depth = {id(p) for p in residual.parameters()} if isinstance(residual, nn.Module) else set()
         no_decay = [
             _groups([(n, p) for n, p in split.no_decay if id(p) not in depth], weight_decay=0.0),
             _groups(
                 [(n, p) for n, p in split.no_decay if id(p) in depth],
-                weight_decay=0.0,
+                weight_decay=depth_weight_decay,
                 lr=lr * depth_lr_scale,
             ),
         ]

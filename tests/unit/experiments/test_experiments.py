@@ -174,7 +174,11 @@ def test_long_ablation_shares_the_budget_study_runs():
     assert {s.seed for s in rows} == {0, 1} and len({ex.run_key(s, "full") for s in rows}) == len(rows)
     for rule, twin in (("block", "block_s2"), ("full", "full")):
         base = next(s for s in rows if s.variant == twin).overrides
-        for knob, extra in (("query_init", {"query_init_std": 0.125}), ("key_gain", {"key_norm_gain": True})):
+        for knob, extra in (
+            ("query_init", {"query_init_std": 0.125}),
+            ("key_gain", {"key_norm_gain": True}),
+            ("query_decay", {"depth_weight_decay": 0.1}),
+        ):
             assert next(s for s in rows if s.variant == f"{rule}_{knob}").overrides == {**base, **extra}
 
 

@@ -1,6 +1,6 @@
-"""Whether the depth mixing learns, piece by piece: ``--depth-lr-scale``'s optimizer group, the
-per-step parameter statistics, the summary reading each head on its own. The training runs with
-``--log-depth`` / ``--depth-lr-scale`` are in ``test_train.py``."""
+"""Whether the depth mixing learns, piece by piece: the optimizer group of ``--depth-lr-scale`` and
+``--depth-weight-decay``, the per-step parameter statistics, the summary reading each head on its
+own. The training runs with ``--log-depth`` / ``--depth-lr-scale`` are in ``test_train.py``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,29 @@ def test_depth_lr_scale_gives_the_depth_parameters_their_own_rate():
     assert all(g["lr"] == 1e-3 for g in others)
     muon = build_optimizer(model, "muon", lr=1e-3, depth_lr_scale=3.0)
     assert sorted(g["lr"] for g in muon.param_groups) == pytest.approx([1e-3, 1e-3, 1e-3, 3e-3])
+
+
+def test_depth_weight_decay_decays_the_depth_parameters_only():
+    """With a zero gradient AdamW's step is its decoupled decay alone, p <- p (1 - lr wd): the
+    depth-mixing parameters shrink by exactly that, every other no-decay parameter stays."""
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8, vocab_size=32, residual="block"))
+    depth = {id(p) for p in depth_parameters(model)}
+    opt = build_optimizer(model, lr=1e-2, depth_weight_decay=0.5)
+    (group,) = [g for g in opt.param_groups if {id(p) for p in g["params"]} & depth]
+    assert {id(p) for p in group["params"]} == depth
+    assert group["weight_decay"] == 0.5 and group["lr"] == pytest.approx(1e-2)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.fill_(1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        if id(p) in depth:
+            torch.testing.assert_close(p, before[n] * (1 - 1e-2 * 0.5), msg=n)
+        elif p.dim() < 2:
+            assert torch.equal(p, before[n]), n
 
 
 def test_parameter_step_measures_the_update():

@@ -491,7 +491,12 @@ def test_log_depth_records_and_leaves_training_bit_identical(tmp_path, corpus):
             {"log_depth": False, "residual": "prenorm", "block_size": None, "depth_lr_scale": 3.0},
             "depth_lr_scale: residual='prenorm' has no depth-mixing parameters",
         ),
+        (
+            {"log_depth": False, "residual": "prenorm", "block_size": None, "depth_weight_decay": 0.1},
+            "depth_weight_decay: residual='prenorm' has no depth-mixing parameters",
+        ),
         ({"depth_lr_scale": 0.0}, "depth_lr_scale"),
+        ({"depth_weight_decay": -0.1}, "depth_weight_decay"),
     ],
 )
 def test_log_depth_refusals_name_the_option(tmp_path, kw, message):
