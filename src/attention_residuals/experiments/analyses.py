@@ -166,7 +166,7 @@ def _scaling_tables(todo, summaries, exp_dir, budget) -> tuple[dict, list[str]]:
     for r in rows:
         sizes_of.setdefault(r["variant"], set()).add(r["size"])
     common = set.intersection(*sizes_of.values()) if sizes_of else set()
-    unfitted = sorted({r["size"] for r in rows} - common, key=[r["size"] for r in rows].index)
+    unfitted = [size for size in dict.fromkeys(r["size"] for r in rows) if size not in common]
     by_variant: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         if r["size"] in common:
