@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .functional import DepthState, activation_dtype, depth_logits, rms_norm, stack_sources
-from .kernels import depth_attention, depth_attention_merged, depth_states_batched
+from .kernels import depth_attention, depth_attention_merged, depth_attention_normed, depth_states_batched
 from .typed import check_bounds, check_choices, check_field_types, check_number, field_default, option
 
 __all__ = [
@@ -386,12 +386,38 @@ class DepthAttentionResidual(Connection):
         ``torch.utils.checkpoint``: backward keeps only the sources (which PreNorm keeps too, as its
         residual stream) and recomputes ``h_l`` and its norm, so Block/Full AttnRes save as many
         activations as the PreNorm baseline instead of one more ``[*batch, d]`` per sublayer."""
-        if not (
-            self.recompute and torch.is_grad_enabled() and state.schedule == "plain" and state.record is None
-        ):
+        plain = state.schedule == "plain" and state.record is None
+        if plain and self.recompute and self._fuses_read(norm):
+            # one fused call: depth attention and the norm, its backward recomputing both
+            srcs, _ = self.sources(state, layer)
+            return depth_attention_normed(
+                self.static_queries(layer),
+                srcs,
+                norm.weight,
+                self.eps,
+                norm.eps,
+                heads=self.heads,
+                key_norm=self.key_norm,
+            )
+        if not (self.recompute and torch.is_grad_enabled() and plain):
             return norm(self._attend(state, layer))
         srcs, _ = self.sources(state, layer)
         return checkpoint(lambda *s: norm(self._attend_sources(layer, *s)), *srcs, use_reentrant=False)
+
+    def _fuses_read(self, norm: nn.Module) -> bool:
+        """Whether :func:`~attention_residuals.kernels.depth_attention_normed` computes this read:
+        a static softmax query and a plain ``nn.RMSNorm`` with a gain and an epsilon (a sharded
+        gain, e.g. a DTensor under tensor parallelism, or a norm with hooks on it, takes the two
+        ops in turn)."""
+        return (
+            self.query_mode == "static"
+            and self.normalize == "softmax"
+            and type(norm) is nn.RMSNorm
+            and norm.weight is not None
+            and norm.eps is not None
+            and type(norm.weight.data) is torch.Tensor
+            and not (norm._forward_hooks or norm._forward_pre_hooks)  # a hooked norm must run
+        )
 
     def final_normed(self, state, norm):
         return self.read_normed(state, self.n_layers, norm)  # the readout is row L of the queries

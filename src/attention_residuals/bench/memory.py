@@ -16,7 +16,11 @@ from .model import MODEL_VARIANTS, add_model_args, make_gpt, quick_model
 
 __all__ = ["saved_activation_bytes", "io_per_layer", "bench_memory"]
 
-MEMORY_VARIANTS = {**MODEL_VARIANTS, "mhc": ("mhc", None), "full (reference op)": ("full", "reference")}
+MEMORY_VARIANTS = {
+    **MODEL_VARIANTS,
+    "mhc": ("mhc", None, {}),
+    "full (reference op)": ("full", "reference", {}),
+}
 
 
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], exclude: list[torch.Tensor]) -> int:
@@ -95,8 +99,8 @@ def _activation_memory(
 ) -> tuple[list[dict], list[list[str]]]:
     """Per variant its activation memory, in MiB and over PreNorm's: (JSON results, table rows)."""
     results, rows = [], []
-    for label, (residual, backend) in MEMORY_VARIANTS.items():
-        model = make_gpt(args, residual)
+    for label, (residual, backend, options) in MEMORY_VARIANTS.items():
+        model = make_gpt(args, residual, **options)
         saved, peak = _measure(model, idx, backend, device)
         results.append(
             {

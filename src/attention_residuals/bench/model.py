@@ -29,11 +29,12 @@ from .harness import (
 
 __all__ = ["MODEL_VARIANTS", "add_model_args", "make_gpt", "quick_model", "train_step", "bench_model"]
 
-MODEL_VARIANTS = {  # label -> (residual, op backend or None for auto)
-    "prenorm": ("prenorm", None),
-    "block": ("block", None),
-    "block (reference op)": ("block", "reference"),
-    "full": ("full", None),
+MODEL_VARIANTS = {  # label -> (residual, op backend or None for auto, rule options)
+    "prenorm": ("prenorm", None, {}),
+    "block": ("block", None, {}),
+    "block (4 depth heads)": ("block", None, {"depth_heads": 4}),
+    "block (reference op)": ("block", "reference", {}),
+    "full": ("full", None, {}),
 }
 BASELINES = {"train": "train|prenorm", "prefill": "prefill|prenorm|plain"}  # kind -> the case it is over
 
@@ -97,8 +98,8 @@ def train_step(
 def _cases(args: argparse.Namespace, idx: torch.Tensor, tgt: torch.Tensor) -> dict[str, Callable]:
     """``train|label`` and ``prefill|label|schedule`` per variant (two-phase where it applies)."""
     cases: dict[str, Callable] = {}
-    for label, (residual, backend) in MODEL_VARIANTS.items():
-        model = make_gpt(args, residual)
+    for label, (residual, backend, options) in MODEL_VARIANTS.items():
+        model = make_gpt(args, residual, **options)
         ctx = (lambda b=backend: use_backend(b)) if backend else contextlib.nullcontext
         cases[f"train|{label}"] = train_step(model, idx, tgt, ctx)
         schedules = (

@@ -63,6 +63,7 @@ from ..functional import (
     activation_dtype,
     autocast_disabled,
     check_depth_inputs,
+    check_eps,
     check_source_list,
     depth_attention_reference,
     depth_state,
@@ -76,6 +77,7 @@ from .autograd import Kernels
 
 __all__ = [
     "depth_attention",
+    "depth_attention_normed",
     "depth_states_batched",
     "depth_attention_merged",
     "Backend",
@@ -145,7 +147,7 @@ def _triton_kernels() -> Kernels:
 
 
 _COMPILED = Kernels(
-    _cpu.forward, _cpu.backward, _cpu.states, _cpu.merge
+    _cpu.forward, _cpu.backward, _cpu.states, _cpu.merge, _cpu.read_forward, _cpu.read_backward
 )  # functions only: nothing is built here
 
 #: name -> backend, filled here and only here (read-only: a query never registers anything)
@@ -326,6 +328,58 @@ def depth_attention(
             q, float(eps), int(heads), bool(key_norm), kernels, one_tensor, *vs
         )
     return out.reshape(*batch, d)
+
+
+def depth_attention_normed(
+    query: torch.Tensor,
+    sources: Sources,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+    *,
+    heads: int = 1,
+    key_norm: bool = True,
+    normalize: str = "softmax",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The read of a sublayer in one call: ``rms_norm(depth_attention(query, sources), weight)``.
+
+    ``query``, ``sources``, ``eps``, ``heads``, ``key_norm``, ``normalize``, ``backend`` as in
+    :func:`depth_attention`; ``weight`` ``[d]``: the gain of the RMSNorm over the whole ``d`` (the
+    sublayer's input norm), ``norm_eps`` its epsilon. Returns ``[*batch, d]`` in the activation
+    dtype, like ``nn.RMSNorm`` applied to :func:`depth_attention`'s output. Why one call: at small
+    widths a read is a handful of small ops, and their fixed costs (dispatch, allocations, the
+    norm's own passes, ``torch.utils.checkpoint``'s bookkeeping) outweighed the arithmetic. The
+    backward saves only ``lse`` beside the sources and recomputes the rest (saved activations as
+    PreNorm's). On the ``compiled`` backend one C kernel each way (the depth attention's output
+    stays in float32 until the norm); on the others the depth-attention kernels with ``F.rms_norm``
+    in float32; under ``torch.compile`` and for ``reference``/``sigmoid``, the two ops in turn.
+    """
+    srcs = _checked(query, sources, heads, eps)
+    d = srcs[0].shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.shape != (d,) or not weight.is_floating_point():
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight: expected a floating-point tensor of shape ({d},), got {got}")
+    check_eps(norm_eps)
+    if normalize not in ("softmax", "sigmoid"):
+        raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
+    act = activation_dtype(srcs)
+    device = srcs[0].device
+    name = _select(device, act, normalize, backend)
+    if name == "reference" or torch.compiler.is_compiling():
+        out = depth_attention(
+            query, sources, eps, heads=heads, key_norm=key_norm, normalize=normalize, backend=backend
+        )
+        return torch.nn.functional.rms_norm(out, (d,), weight, norm_eps)
+    batch = srcs[0].shape[:-1]
+    vs = [s.to(act).reshape(-1, d) for s in srcs]
+    q = query.reshape(d) if query.shape[:-1].numel() == 1 else query.expand(*batch, d).reshape(-1, d)
+    kernels = _REGISTRY[name].kernels()
+    with autocast_disabled(device.type):
+        y = _autograd.DepthAttentionNormFunction.apply(
+            q, weight, float(eps), float(norm_eps), int(heads), bool(key_norm), kernels, *vs
+        )
+    return y.reshape(*batch, d)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from ..functional import autocast_disabled
 
 __all__ = [
     "DepthAttentionFunction",
+    "DepthAttentionNormFunction",
     "Kernels",
     "EAGER",
     "eager_forward",
@@ -161,6 +162,79 @@ class Kernels:
     backward: Callable
     states: Callable | None = None
     merge: Callable | None = None
+    #: the fused read (depth attention, then the sublayer's RMSNorm), signatures as
+    #: :func:`~.cpu.read_forward` / :func:`~.cpu.read_backward`; None: composed from
+    #: ``forward``/``backward`` and ``F.rms_norm`` by :func:`read_kernels`
+    read_forward: Callable | None = None
+    read_backward: Callable | None = None
+
+
+def read_kernels(kernels: Kernels) -> tuple[Callable, Callable]:
+    """The backend's fused read, or one composed of its depth-attention kernels and ``F.rms_norm``
+    in the accumulation dtype: the backward recomputes the depth attention's output from the
+    saved ``lse`` (what ``torch.utils.checkpoint`` would do, without its bookkeeping)."""
+    if kernels.read_forward is not None:
+        return kernels.read_forward, kernels.read_backward
+
+    def fwd(q, w, vs, eps, heads, key_norm, norm_eps):
+        out, lse = kernels.forward(q, vs, eps, heads, key_norm)
+        y = torch.nn.functional.rms_norm(out.to(q.dtype), (out.shape[-1],), w, norm_eps)
+        return y.to(out.dtype), lse
+
+    def bwd(q, w, vs, lse, gy, eps, heads, key_norm, norm_eps, need_dq, need_dw, need_dv, one_buffer=False):
+        out, _ = kernels.forward(q, vs, eps, heads, key_norm)
+        x = out.to(q.dtype).requires_grad_()
+        wr = w.detach().requires_grad_(need_dw)
+        with torch.enable_grad():
+            y = torch.nn.functional.rms_norm(x, (x.shape[-1],), wr, norm_eps)
+        grads = torch.autograd.grad(y, [x, wr] if need_dw else [x], gy.to(q.dtype))
+        g = grads[0].to(vs[0].dtype).contiguous()
+        dq, dvs = kernels.backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv, one_buffer)
+        return dq, (grads[1] if need_dw else None), dvs
+
+    return fwd, bwd
+
+
+class DepthAttentionNormFunction(torch.autograd.Function):
+    """``apply(query, weight, eps, norm_eps, heads, key_norm, kernels, *sources)``: the read of a
+    sublayer, ``rms_norm(depth_attention(query, sources), weight)``, in one forward and one backward
+    kernel. ``query`` ``[d]`` or ``[M, d]``, ``weight`` ``[d]`` (the sublayer norm's gain),
+    ``sources`` N tensors ``[M, d]`` of one dtype -> ``[M, d]`` in their dtype. The depth
+    attention's output is never rounded before the norm. Saved: the sources (alive anyway as the
+    model's activations), the query, the gain and ``lse`` (one float32 per token and head); the
+    backward recomputes the rest, so the read saves as much as PreNorm's residual stream does."""
+
+    @staticmethod
+    def forward(ctx, query, weight, eps, norm_eps, heads, key_norm, kernels, *sources):
+        acc = acc_dtype(sources[0].dtype)
+        q = query.detach().to(acc).contiguous()
+        w = weight.detach().to(acc).contiguous()
+        vs = [v.detach().contiguous() for v in sources]
+        fwd, _ = read_kernels(kernels)
+        y, lse = fwd(q, w, vs, eps, heads, key_norm, norm_eps)
+        ctx.save_for_backward(q, w, lse, *vs)
+        ctx.config = (eps, norm_eps, heads, key_norm, kernels, query.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        q, w, lse, *vs = ctx.saved_tensors
+        eps, norm_eps, heads, key_norm, kernels, q_dtype, w_dtype = ctx.config
+        need_dq, need_dw, need_v = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[7:]
+        _, bwd = read_kernels(kernels)
+        gy = grad_y.to(vs[0].dtype).contiguous()
+        with autocast_disabled(q.device.type):
+            dq, dw, dvs = bwd(
+                q, w, vs, lse, gy, eps, heads, key_norm, norm_eps, need_dq, need_dw, any(need_v)
+            )
+        dvs = [dv if need else None for dv, need in zip(dvs, need_v)] if dvs is not None else [None] * len(vs)
+        return (
+            dq.to(q_dtype) if need_dq else None,
+            dw.to(w_dtype) if need_dw else None,
+            None, None, None, None, None,
+            *dvs,
+        )  # fmt: skip
 
 
 #: the ``fused`` backend: eager torch ops, any device and dtype

@@ -63,6 +63,8 @@ __all__ = [
     "backward",
     "states",
     "merge",
+    "read_forward",
+    "read_backward",
     "cache_dir_problem",
     "cache_root",
     "library_path",
@@ -73,7 +75,7 @@ __all__ = [
 SUPPORTED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
 _SOURCE = Path(__file__).with_name("depth_attention.c")
 _BASE_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
-_ABI_VERSION = 9
+_ABI_VERSION = 10
 # Below this many source elements one thread is faster than starting more.
 _ELEMS_PER_THREAD = 1 << 16
 
@@ -217,6 +219,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         mg = getattr(lib, f"attnres_merge_{suf}")
         mg.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, f64, i32, i32]
         mg.restype = i32
+        rf = getattr(lib, f"attnres_read_fwd_{suf}")
+        rf.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i32, f64, i32, f64, i32]
+        rf.restype = i32
+        rb = getattr(lib, f"attnres_read_bwd_{suf}")
+        rb.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i64, i64, i32, f64, i32, f64, i32]
+        rb.restype = i32
     lib.attnres_abi_version.restype = i32
     lib.attnres_uses_openmp.restype = i32
     lib.attnres_vector_bytes.restype = i32
@@ -493,6 +501,62 @@ def merge(q, vs, st_max, st_sum, st_out, eps, heads, key_norm):
     if rc != 0:
         raise MemoryError("depth merge (compiled): out of memory in the C kernel")
     return out
+
+
+def read_forward(q, w, vs, eps, heads, key_norm, norm_eps):
+    """The fused read: ``q`` [d] or [M, d] and ``w`` [d] (the output RMSNorm's gain, or None for
+    no norm), both in the accumulation dtype, over N contiguous [M, d] sources ``vs`` ->
+    (y [M, d] in their dtype, lse [M, H] in the accumulation dtype)."""
+    lib, suf = _lib_for(vs[0])
+    n, (m, d) = len(vs), vs[0].shape
+    y = torch.empty((m, d), dtype=vs[0].dtype)
+    lse = torch.empty((m, heads), dtype=q.dtype)
+    table = _Table(vs)
+    rc = getattr(lib, f"attnres_read_fwd_{suf}")(
+        table.ptr, _ptr(q), _ptr(w), _ptr(y), _ptr(lse), n, m, d, heads, int(q.ndim == 1),
+        float(eps), int(key_norm), float(norm_eps), _threads(n * m * d),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("depth attention read (compiled): out of memory in the C kernel")
+    return y, lse
+
+
+def read_backward(
+    q,
+    w,
+    vs,
+    lse,
+    gy,
+    eps,
+    heads,
+    key_norm,
+    norm_eps,
+    need_dq=True,
+    need_dw=True,
+    need_dv=True,
+    one_buffer=False,
+):
+    """Gradients of :func:`read_forward` given ``gy = dL/dy`` [M, d]: (dq like q, dw like w, both in
+    the accumulation dtype; [dv_i like v_i]), each None when not needed."""
+    lib, suf = _lib_for(vs[0])
+    n, (m, d) = len(vs), vs[0].shape
+    dvs = None
+    if need_dv:
+        dvs = (
+            list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0))
+            if one_buffer
+            else [torch.empty_like(v) for v in vs]
+        )
+    dq = torch.empty_like(q) if need_dq else None
+    dw = torch.empty_like(w) if need_dw and w is not None else None
+    table, grads = _Table(vs), _Table(dvs)
+    rc = getattr(lib, f"attnres_read_bwd_{suf}")(
+        table.ptr, _ptr(q), _ptr(w), _ptr(lse), _ptr(gy), grads.ptr, _ptr(dq), _ptr(dw), n, m, d,
+        heads, int(q.ndim == 1), float(eps), int(key_norm), float(norm_eps), _threads(2 * n * m * d),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("depth attention read (compiled): out of memory in the C kernel")
+    return dq, dw, dvs
 
 
 # ----------------------------------------------------------------------------------------------

@@ -134,15 +134,45 @@ static inline void put_bf16(uint16_t *dst, vf32 x, int stream) {
         vstore_bf16(dst, x);
     }
 }
+/* Horizontal sums as a tree of half-width adds: a serial lane-by-lane sum is a chain of 16
+ * dependent adds with AVX-512, which at small d cost more than the row's loads. */
+typedef float vh8f __attribute__((vector_size(32)));
+typedef float vh4f __attribute__((vector_size(16)));
+typedef double vh4d __attribute__((vector_size(32)));
+typedef double vh2d __attribute__((vector_size(16)));
+static inline float hsum4f(vh4f x) { return (x[0] + x[2]) + (x[1] + x[3]); }
+static inline float hsum8f(vh8f x) {
+    vh4f a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (char *)&x + sizeof a, sizeof b);
+    return hsum4f(a + b);
+}
+static inline double hsum2d(vh2d x) { return x[0] + x[1]; }
+static inline double hsum4d(vh4d x) {
+    vh2d a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (char *)&x + sizeof a, sizeof b);
+    return hsum2d(a + b);
+}
 static inline float vsum_f32(vf32 x) {
-    float s = 0;
-    for (int l = 0; l < (int)VW_f32; ++l) s += x[l];
-    return s;
+#if VBYTES == 64
+    vh8f a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (char *)&x + sizeof a, sizeof b);
+    return hsum8f(a + b);
+#else
+    return hsum8f(x);
+#endif
 }
 static inline double vsum_f64(vf64 x) {
-    double s = 0;
-    for (int l = 0; l < (int)VW_f64; ++l) s += x[l];
-    return s;
+#if VBYTES == 64
+    vh4d a, b;
+    memcpy(&a, &x, sizeof a);
+    memcpy(&b, (char *)&x + sizeof a, sizeof b);
+    return hsum4d(a + b);
+#else
+    return hsum4d(x);
+#endif
 }
 
 static inline float bf16_load(uint16_t x) {
@@ -182,6 +212,9 @@ typedef struct {
     int64_t N, M, d, H, m0, m1, tile, nq; /* nq: the queries of the phase-1 states */
     int q_static, key_norm, stream;
     double eps;
+    const void *w;   /* the read's output RMSNorm gain [d] (NULL: no output norm) */
+    void *dw;        /* its gradient [d] */
+    double norm_eps; /* the output RMSNorm's epsilon */
     void *scratch; /* per thread, see the workers */
 } job_t;
 
@@ -710,7 +743,197 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf, vf32, 
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt, vf64, VW_f64, vload_f64, vload_f64, vsum_f64)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf, vf32, VW_f32, vload_bf16, vload_f32, vsum_f32)
 
-int attnres_abi_version(void) { return 9; }
+/* The fused read of a sublayer: depth attention followed by the sublayer's own RMSNorm,
+ *
+ *   out = sum_i alpha_i v_i   (as above),   y = out * rs * w,   rs = 1 / sqrt(mean_c out_c^2 + norm_eps)
+ *
+ * over the whole d (w NULL: y = out). Small d is where the per-call cost shows, so these kernels
+ * go token by token: all N rows of a token (N d elements: a few KiB) stay in L1 between the
+ * logits and the weighted sum, and the per-token scalars live in a few registers' worth of
+ * scratch. `out` is never rounded to the sources' type before the norm. Saved for backward: only
+ * lse [M, H]; the backward recomputes alpha_i and out in its first pass, applies the RMSNorm's
+ * backward, g = rs (w gy) - rs^3 / d (sum_c w_c gy_c out_c) out, then the depth attention's (top of
+ * the file) in a second pass, delta = sum_i alpha_i (g . v_i) as there (with one source, dz is
+ * then exactly 0, as it must be: g . out summed in another order is not). dw = sum over tokens of gy out rs, reduced per
+ * thread and summed in thread order, as the static dq. */
+#define DEFINE_READ(SUF, T, ACC, LOAD, STORE, SQRT, EXP, LOG, V, VW, VLOAD, PUT, ALOAD, ASTORE, VSUM)  \
+static inline ACC sumsq_##SUF(const ACC *restrict x, int64_t n) {                                 \
+    V a0 = {0}, a1 = {0};                                                                         \
+    int64_t c = 0;                                                                                \
+    for (; c + 2 * VW <= n; c += 2 * VW) {                                                        \
+        const V x0 = ALOAD(x + c), x1 = ALOAD(x + c + VW);                                        \
+        a0 += x0 * x0; a1 += x1 * x1;                                                             \
+    }                                                                                             \
+    ACC r = VSUM(a0 + a1);                                                                        \
+    for (; c < n; ++c) r += x[c] * x[c];                                                          \
+    return r;                                                                                     \
+}                                                                                                 \
+                                                                                                  \
+/* z [N, H] <- the logits of token m, r [N, H] <- their key scales (may be NULL) */               \
+static inline void read_logits_##SUF(const job_t *j, int64_t m, ACC *z, ACC *r) {                 \
+    const T *const *v = (const T *const *)j->v;                                                   \
+    const ACC *qt = (const ACC *)j->q + (j->q_static ? 0 : m * j->d);                             \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
+    const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
+    for (int64_t i = 0; i < N; ++i) {                                                             \
+        const T *x = v[i] + m * d;                                                                \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            ACC ss, qv;                                                                           \
+            reduce2_##SUF(x + h * dh, qt + h * dh, dh, (const char *)(x + h * dh) + PREFETCH_BYTES, &ss, &qv); \
+            const ACC ri = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;               \
+            z[i * H + h] = qv * ri;                                                               \
+            if (r) r[i * H + h] = ri;                                                             \
+        }                                                                                         \
+    }                                                                                             \
+}                                                                                                 \
+                                                                                                  \
+/* scratch: z [N, H] | out [d] */                                                                 \
+static void *read_fwd_worker_##SUF(void *arg) {                                                   \
+    job_t *j = (job_t *)arg;                                                                      \
+    const T *const *v = (const T *const *)j->v;                                                   \
+    const ACC *w = (const ACC *)j->w;                                                             \
+    T *y = (T *)j->out;                                                                           \
+    ACC *lse = (ACC *)j->lse_out;                                                                 \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
+    ACC *z = (ACC *)j->scratch, *acc = z + N * H;                                                 \
+    for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
+        read_logits_##SUF(j, m, z, NULL);                                                         \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            ACC mx = z[h], l = 0;                                                                 \
+            for (int64_t i = 1; i < N; ++i) mx = z[i * H + h] > mx ? z[i * H + h] : mx;           \
+            for (int64_t i = 0; i < N; ++i) { z[i * H + h] = EXP(z[i * H + h] - mx); l += z[i * H + h]; } \
+            lse[m * H + h] = mx + LOG(l);                                                         \
+            wsum_##SUF(v, N, m * d + h * dh, z + h, H, dh, (ACC)1 / l, acc + h * dh);             \
+        }                                                                                         \
+        const ACC rs = w ? (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps) : (ACC)1; \
+        T *dst = y + m * d;                                                                       \
+        int64_t c = 0;                                                                            \
+        for (; c + VW <= d; c += VW) {                                                            \
+            const V o = ALOAD(acc + c) * rs;                                                      \
+            PUT(dst + c, w ? o * ALOAD(w + c) : o, 0);                                            \
+        }                                                                                         \
+        for (; c < d; ++c) dst[c] = STORE(acc[c] * rs * (w ? w[c] : (ACC)1));                     \
+    }                                                                                             \
+    return NULL;                                                                                  \
+}                                                                                                 \
+                                                                                                  \
+/* scratch: dq partial [d] | dw partial [d] | out [d] | g [d] | r, z, alpha, g.v [N, H] each */        \
+static void *read_bwd_worker_##SUF(void *arg) {                                                   \
+    job_t *j = (job_t *)arg;                                                                      \
+    const T *const *v = (const T *const *)j->v;                                                   \
+    const T *gy = (const T *)j->g;                                                                \
+    const ACC *q = (const ACC *)j->q, *w = (const ACC *)j->w, *lse = (const ACC *)j->lse;         \
+    T *const *dv = (T *const *)j->dv;                                                             \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
+    const ACC inv_dh = (ACC)1 / (ACC)dh;                                                          \
+    ACC *dqp = (ACC *)j->scratch, *dwp = dqp + d, *acc = dwp + d, *g = acc + d;                   \
+    ACC *r = g + d, *z = r + N * H, *al = z + N * H, *sg = al + N * H;                            \
+    for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
+        const T *gm = gy + m * d;                                                                 \
+        const ACC *qt = q + (j->q_static ? 0 : m * d);                                            \
+        ACC *dqt = j->dq ? (j->q_static ? dqp : (ACC *)j->dq + m * d) : NULL;                     \
+        /* pass 1: alpha_i from the saved lse, out = sum_i alpha_i v_i */                         \
+        read_logits_##SUF(j, m, z, r);                                                            \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            for (int64_t i = 0; i < N; ++i) al[i * H + h] = EXP(z[i * H + h] - lse[m * H + h]);   \
+            wsum_##SUF(v, N, m * d + h * dh, al + h, H, dh, (ACC)1, acc + h * dh);                \
+        }                                                                                         \
+        /* the output RMSNorm's backward: g = dL/dout */                                          \
+        if (w) {                                                                                  \
+            const ACC rs = (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps);        \
+            ACC dot = 0;                                                                          \
+            for (int64_t c = 0; c < d; ++c) {                                                     \
+                const ACC gc = LOAD(gm[c]);                                                       \
+                g[c] = gc * w[c];                                                                 \
+                dot += g[c] * acc[c];                                                             \
+                if (j->dw) dwp[c] += gc * acc[c] * rs;                                            \
+            }                                                                                     \
+            const ACC k = rs * rs * rs * dot / (ACC)d;                                            \
+            for (int64_t c = 0; c < d; ++c) g[c] = rs * g[c] - k * acc[c];                        \
+        } else {                                                                                  \
+            for (int64_t c = 0; c < d; ++c) g[c] = LOAD(gm[c]);                                   \
+        }                                                                                         \
+        /* pass 2, per head: s_i = g . v_i, dz_i = alpha_i (s_i - delta), dv_i and dq (rows from L1) */ \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            const int64_t o = m * d + h * dh;                                                     \
+            const ACC *restrict gh = g + h * dh, *restrict qh = qt + h * dh;                      \
+            ACC delta = 0;                                                                        \
+            for (int64_t i = 0; i < N; ++i) {                                                     \
+                sg[i * H + h] = dot_##SUF(v[i] + o, gh, dh);                                      \
+                delta += al[i * H + h] * sg[i * H + h];                                           \
+            }                                                                                     \
+            for (int64_t i = 0; i < N; ++i) {                                                     \
+                const int64_t k = i * H + h;                                                      \
+                const T *restrict x = v[i] + o;                                                   \
+                const ACC dz = al[k] * (sg[k] - delta), a = dz * r[k];                            \
+                const ACC b = j->key_norm ? -dz * z[k] * r[k] * r[k] * inv_dh : (ACC)0;           \
+                int64_t c = 0;                                                                    \
+                if (dv) {                                                                         \
+                    T *restrict dst = dv[i] + o;                                                  \
+                    for (; c + VW <= dh; c += VW)                                                 \
+                        PUT(dst + c, al[k] * ALOAD(gh + c) + a * ALOAD(qh + c) + b * VLOAD(x + c), 0); \
+                    for (; c < dh; ++c) dst[c] = STORE(al[k] * gh[c] + a * qh[c] + b * LOAD(x[c])); \
+                }                                                                                 \
+                if (dqt) {                                                                        \
+                    ACC *restrict dqh = dqt + h * dh;                                             \
+                    for (c = 0; c + VW <= dh; c += VW) ASTORE(dqh + c, ALOAD(dqh + c) + a * VLOAD(x + c)); \
+                    for (; c < dh; ++c) dqh[c] += a * LOAD(x[c]);                                 \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    return NULL;                                                                                  \
+}                                                                                                 \
+                                                                                                  \
+int attnres_read_fwd_##SUF(const void *const *v, const void *q, const void *w, void *y, void *lse, \
+                           int64_t N, int64_t M, int64_t d, int64_t H, int q_static, double eps,  \
+                           int key_norm, double norm_eps, int nthreads) {                         \
+    job_t p;                                                                                      \
+    memset(&p, 0, sizeof p);                                                                      \
+    p.v = v; p.q = q; p.w = w; p.out = y; p.lse_out = lse;                                        \
+    p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm;             \
+    p.eps = eps; p.norm_eps = norm_eps;                                                           \
+    if (M <= 0) return 0;                                                                         \
+    size_t bytes = sizeof(ACC) * (size_t)(N * H + d) + 64;                                        \
+    bytes = (bytes + 63) & ~(size_t)63;                                                           \
+    char *scratch = launch(read_fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);         \
+    if (!scratch) return -1;                                                                      \
+    free(scratch);                                                                                \
+    return 0;                                                                                     \
+}                                                                                                 \
+                                                                                                  \
+/* dq (may be NULL): [d] if q_static else [M, d]; dw (may be NULL): [d]; both overwritten. */     \
+int attnres_read_bwd_##SUF(const void *const *v, const void *q, const void *w, const void *lse,   \
+                           const void *gy, void *const *dv, void *dq, void *dw, int64_t N,        \
+                           int64_t M, int64_t d, int64_t H, int q_static, double eps, int key_norm, \
+                           double norm_eps, int nthreads) {                                       \
+    job_t p;                                                                                      \
+    memset(&p, 0, sizeof p);                                                                      \
+    p.v = v; p.q = q; p.w = w; p.lse = lse; p.g = gy; p.dv = (void *)dv; p.dq = dq; p.dw = dw;    \
+    p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm;             \
+    p.eps = eps; p.norm_eps = norm_eps;                                                           \
+    if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
+    if (dw) memset(dw, 0, sizeof(ACC) * (size_t)d);                                               \
+    if (M <= 0) return 0;                                                                         \
+    size_t bytes = sizeof(ACC) * (size_t)(4 * d + 4 * N * H) + 64;                                \
+    bytes = (bytes + 63) & ~(size_t)63;                                                           \
+    int nt = clamp_threads(nthreads, M);                                                          \
+    char *scratch = launch(read_bwd_worker_##SUF, &p, nt, bytes); /* calloc: partials start at 0 */ \
+    if (!scratch) return -1;                                                                      \
+    for (int t = 0; t < nt; ++t) {                                                                \
+        const ACC *part = (const ACC *)(scratch + (size_t)t * bytes);                             \
+        if (dq && q_static) for (int64_t c = 0; c < d; ++c) ((ACC *)dq)[c] += part[c];            \
+        if (dw) for (int64_t c = 0; c < d; ++c) ((ACC *)dw)[c] += part[d + c];                    \
+    }                                                                                             \
+    free(scratch);                                                                                \
+    return 0;                                                                                     \
+}
+
+DEFINE_READ(f32, float, float, ID_LOAD, ID_STORE, sqrtf, expf, logf, vf32, VW_f32, vload_f32, put_f32, vload_f32, vstore_f32, vsum_f32)
+DEFINE_READ(f64, double, double, ID_LOAD, ID_STORE, sqrt, exp, log, vf64, VW_f64, vload_f64, put_f64, vload_f64, vstore_f64, vsum_f64)
+DEFINE_READ(bf16, uint16_t, float, bf16_load, bf16_store, sqrtf, expf, logf, vf32, VW_f32, vload_bf16, put_bf16, vload_f32, vstore_f32, vsum_f32)
+
+int attnres_abi_version(void) { return 10; }
 
 /* Bytes per vector of the hot loops as built (64 with AVX-512, else 32). */
 int attnres_vector_bytes(void) { return VBYTES; }
