@@ -112,8 +112,9 @@ def autocast_disabled(device_type: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def check_eps(eps: float) -> None:
-    """``eps`` (the RMSNorm epsilon of the keys) must be a finite real number ``>= 0``.
+def check_eps(eps: float, name: str = "eps") -> None:
+    """``eps`` (the RMSNorm epsilon of the keys; ``name`` says which argument it is in the errors)
+    must be a finite real number ``>= 0``.
 
     ``eps = 0`` is allowed (the exact RMSNorm, e.g. for float64 gradchecks), but a source whose
     channels are all zero then has no defined key (0 / 0) and gives NaN: use ``eps > 0`` unless
@@ -121,9 +122,9 @@ def check_eps(eps: float) -> None:
     negative and its square root NaN, so it is rejected here rather than discovered in the output.
     """
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a real number >= 0, got {type(eps).__name__}")
+        raise TypeError(f"{name}: expected a real number >= 0, got {type(eps).__name__}")
     if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
 
 
 def check_depth_inputs(

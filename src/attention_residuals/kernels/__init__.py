@@ -265,6 +265,13 @@ def _flat(sources: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Ten
     return [s.detach().to(dtype).reshape(-1, d).contiguous() for s in sources]
 
 
+def _flat_query(query: torch.Tensor, batch: torch.Size, d: int) -> torch.Tensor:
+    """``[d]`` for one query for every token (``[d]``, ``[1, d]``, ``[1, 1, d]``), else ``[M, d]``."""
+    if query.shape[:-1].numel() == 1:
+        return query.reshape(d)
+    return query.expand(*batch, d).reshape(-1, d)
+
+
 def depth_attention(
     query: torch.Tensor,
     sources: Sources,
@@ -306,10 +313,7 @@ def depth_attention(
         if one_tensor
         else [s.to(act).reshape(-1, d) for s in srcs]
     )
-    if query.shape[:-1].numel() == 1:  # [d], [1, d], [1, 1, d]: one query for every token
-        q = query.reshape(d)
-    else:
-        q = query.expand(*batch, d).reshape(-1, d)
+    q = _flat_query(query, batch, d)
     if name == "compiled" and torch.compiler.is_compiling():
         # inside torch.compile: the C kernel as a custom operator (autograd by register_autograd)
         flat = list(vs[0].unbind(0)) if one_tensor else vs
@@ -360,7 +364,7 @@ def depth_attention_normed(
     if not isinstance(weight, torch.Tensor) or weight.shape != (d,) or not weight.is_floating_point():
         got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight: expected a floating-point tensor of shape ({d},), got {got}")
-    check_eps(norm_eps)
+    check_eps(norm_eps, "norm_eps")
     if normalize not in ("softmax", "sigmoid"):
         raise ValueError(f"normalize: expected 'softmax' or 'sigmoid', got {normalize!r}")
     act = activation_dtype(srcs)
@@ -373,7 +377,7 @@ def depth_attention_normed(
         return torch.nn.functional.rms_norm(out, (d,), weight, norm_eps)
     batch = srcs[0].shape[:-1]
     vs = [s.to(act).reshape(-1, d) for s in srcs]
-    q = query.reshape(d) if query.shape[:-1].numel() == 1 else query.expand(*batch, d).reshape(-1, d)
+    q = _flat_query(query, batch, d)
     kernels = _REGISTRY[name].kernels()
     with autocast_disabled(device.type):
         y = _autograd.DepthAttentionNormFunction.apply(

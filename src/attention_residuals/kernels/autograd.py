@@ -181,7 +181,7 @@ def read_kernels(kernels: Kernels) -> tuple[Callable, Callable]:
         y = torch.nn.functional.rms_norm(out.to(q.dtype), (out.shape[-1],), w, norm_eps)
         return y.to(out.dtype), lse
 
-    def bwd(q, w, vs, lse, gy, eps, heads, key_norm, norm_eps, need_dq, need_dw, need_dv, one_buffer=False):
+    def bwd(q, w, vs, lse, gy, eps, heads, key_norm, norm_eps, need_dq, need_dw, need_dv):
         out, _ = kernels.forward(q, vs, eps, heads, key_norm)
         x = out.to(q.dtype).requires_grad_()
         wr = w.detach().requires_grad_(need_dw)
@@ -189,7 +189,7 @@ def read_kernels(kernels: Kernels) -> tuple[Callable, Callable]:
             y = torch.nn.functional.rms_norm(x, (x.shape[-1],), wr, norm_eps)
         grads = torch.autograd.grad(y, [x, wr] if need_dw else [x], gy.to(q.dtype))
         g = grads[0].to(vs[0].dtype).contiguous()
-        dq, dvs = kernels.backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv, one_buffer)
+        dq, dvs = kernels.backward(q, vs, lse, g, eps, heads, key_norm, need_dq, need_dv)
         return dq, (grads[1] if need_dw else None), dvs
 
     return fwd, bwd

@@ -413,18 +413,19 @@ def forward(q: torch.Tensor, vs: list[torch.Tensor], eps: float, heads: int, key
     return out, lse
 
 
+def _source_grads(vs: list[torch.Tensor], one_buffer: bool = False) -> list[torch.Tensor]:
+    """Empty gradients like the sources ``vs``; with ``one_buffer`` the slices of one ``[N, M, d]``."""
+    if one_buffer:
+        return list(torch.empty((len(vs), *vs[0].shape), dtype=vs[0].dtype).unbind(0))
+    return [torch.empty_like(v) for v in vs]
+
+
 def backward(q, vs, lse, g, eps, heads, key_norm, need_dq=True, need_dv=True, one_buffer=False):
     """Gradients ``(dq like q, accumulation dtype; [dv_i like v_i])`` given ``g = dL/dout`` [M, d];
     with ``one_buffer`` the dv_i are the slices of one ``[N, M, d]`` tensor."""
     lib, suf = _lib_for(vs[0])
     n, (m, d) = len(vs), vs[0].shape
-    dvs = None
-    if need_dv:
-        dvs = (
-            list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0))
-            if one_buffer
-            else [torch.empty_like(v) for v in vs]
-        )
+    dvs = _source_grads(vs, one_buffer) if need_dv else None
     dq = torch.empty_like(q) if need_dq else None
     table, grads = _Table(vs), _Table(dvs)
     rc = getattr(lib, f"attnres_bwd_{suf}")(
@@ -534,19 +535,12 @@ def read_backward(
     need_dq=True,
     need_dw=True,
     need_dv=True,
-    one_buffer=False,
 ):
     """Gradients of :func:`read_forward` given ``gy = dL/dy`` [M, d]: (dq like q, dw like w, both in
     the accumulation dtype; [dv_i like v_i]), each None when not needed."""
     lib, suf = _lib_for(vs[0])
     n, (m, d) = len(vs), vs[0].shape
-    dvs = None
-    if need_dv:
-        dvs = (
-            list(torch.empty((n, m, d), dtype=vs[0].dtype).unbind(0))
-            if one_buffer
-            else [torch.empty_like(v) for v in vs]
-        )
+    dvs = _source_grads(vs) if need_dv else None
     dq = torch.empty_like(q) if need_dq else None
     dw = torch.empty_like(w) if need_dw and w is not None else None
     table, grads = _Table(vs), _Table(dvs)

@@ -121,7 +121,7 @@ def test_bad_weight_and_norm_eps_are_named():
     query, sources, weight, _ = _inputs(2, 3, 8, True, torch.float32)
     with pytest.raises(ValueError, match="weight: expected a floating-point tensor of shape \\(8,\\)"):
         depth_attention_normed(query, sources, weight[:4])
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="norm_eps: expected a finite number >= 0"):
         depth_attention_normed(query, sources, weight, norm_eps=-1.0)
 
 
@@ -151,4 +151,23 @@ def test_a_model_reads_the_same_fused_or_not(residual, extra, monkeypatch):
     apart = step()
     torch.testing.assert_close(fused[0], apart[0], rtol=1e-12, atol=1e-12)
     for a, b in zip(fused[1], apart[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_the_read_kernels_without_a_norm_are_the_depth_attention_kernels(static):
+    """``w = None`` (no output norm): the read kernels compute what ``cpu.forward``/``backward`` do."""
+    from attention_residuals.kernels import cpu
+
+    _skip_unavailable("compiled", torch.float64)
+    query, sources, _, grad = _inputs(4, 23, 16, static, torch.float64)
+    y, lse = cpu.read_forward(query, None, sources, 1e-6, 2, True, 1e-5)
+    out, lse_plain = cpu.forward(query, sources, 1e-6, 2, True)
+    dq, dw, dvs = cpu.read_backward(query, None, sources, lse, grad, 1e-6, 2, True, 1e-5)
+    dq_plain, dvs_plain = cpu.backward(query, sources, lse_plain, grad, 1e-6, 2, True)
+    assert dw is None
+    torch.testing.assert_close(y, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, lse_plain, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dq, dq_plain, rtol=1e-10, atol=1e-12)
+    for a, b in zip(dvs, dvs_plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
