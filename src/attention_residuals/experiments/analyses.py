@@ -20,6 +20,7 @@ from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
+from .evidence import evidence_analysis
 from .specs import (
     PFLOPS_DAY,
     REPORT_ABLATION,
@@ -914,4 +915,5 @@ ANALYSES = {
     "budget": _budget,
     "lr": _lr,
     "queries": _queries,
+    "evidence": evidence_analysis,
 }

@@ -52,6 +52,7 @@ SUBCOMMANDS: dict[str, str] = {
     "budget": "the AttnRes advantage vs training tokens per parameter (1 to 20), two depths, code and prose corpora",
     "lr": "at the largest budget: each variant at its own best learning rate (a sweep) beside the shared one",
     "queries": "whether the pseudo-queries learn: depth weights and query steps over training, and a 10x query lr",
+    "evidence": "the configuration to recommend: chosen on code and prose (3 seeds, whole-split losses), confirmed on Shakespeare and the State of the Union addresses",
     "report": "gather the finished experiments under --root into <root>/README.md",
 }
 EXPERIMENTS = tuple(name for name in SUBCOMMANDS if name != "report")
@@ -112,6 +113,11 @@ class Budget:
     tokens_per_param: tuple[float, ...] = ()
     corpora: tuple[str, ...] = ("stdlib",)
     lrs: tuple[float, ...] = ()
+    # the evidence study: its candidates compared on ``choice_corpora``, the chosen one then reported
+    # on ``confirm_corpora`` (the confirmation), which played no part in the choice; its seeds
+    choice_corpora: tuple[str, ...] = ()
+    confirm_corpora: tuple[str, ...] = ()
+    evidence_seeds: int = 1
 
 
 BUDGETS: dict[str, Budget] = {
@@ -132,6 +138,8 @@ BUDGETS: dict[str, Budget] = {
         tokens_per_param=(0.02, 0.05),
         corpora=("stdlib", "stdlib-docs"),
         lrs=(1e-3, 3e-3),
+        choice_corpora=("stdlib",),
+        confirm_corpora=("stdlib-docs",),
     ),
     # the real runs: ~4 CPU-hours (scaling), ~3 CPU-hours (ablation) on 2 cores
     "full": Budget(
@@ -154,6 +162,9 @@ BUDGETS: dict[str, Budget] = {
         tokens_per_param=(1.0, 4.0, 20.0),
         corpora=("stdlib", "stdlib-docs"),
         lrs=(1e-3, 3e-3, 1e-2),
+        choice_corpora=("stdlib", "stdlib-docs"),
+        confirm_corpora=("shakespeare", "sotu"),
+        evidence_seeds=3,
     ),
 }
 
@@ -459,6 +470,50 @@ def _queries_specs(budget: Budget) -> list[RunSpec]:
     ]
 
 
+#: the candidate the choice rule picked (:func:`evidence_variants`); None until the choice runs are
+#: all finished and `attnres experiment evidence --partial` has applied the rule
+EVIDENCE_CHOSEN: str | None = None
+
+
+def evidence_variants(n_layer: int, n_head: int) -> dict[str, dict]:
+    """The evidence study's candidates: the budget study's five (PreNorm, the report's Block, Full,
+    and both with one depth head per attention head), the two best ablation rows of the long
+    ablation (Full with sigmoid weights, DenseFormer), and 4-head Block combined with each of the
+    two ablation rows that help it independently there (sigmoid weights, an input-dependent query).
+
+    The choice rule, fixed before any confirmation run: the AttnRes candidate with the lowest
+    mean whole-split validation loss over the choice corpora and seeds is chosen if its paired
+    lead over the report's Block (per corpus and seed) is more than twice that lead's standard
+    error; otherwise the report's Block stays the recommendation."""
+    block = {"residual": "block", "block_size": block_size_for(n_layer)}
+    heads = {**block, "depth_heads": n_head}
+    return {
+        **study_variants(n_layer, n_head),
+        "sigmoid": {"residual": "full", "normalize": "sigmoid"},
+        "denseformer": {"residual": "denseformer"},
+        f"block_h{n_head}_sigmoid": {**heads, "normalize": "sigmoid"},
+        f"block_h{n_head}_input": {**heads, "query": "input"},
+    }
+
+
+def _evidence_specs(budget: Budget) -> list[RunSpec]:
+    # the budget study's first model at its largest budget, every final loss on the whole
+    # validation split; seeds outermost so that a stopped study has whole seeds; the choice
+    # corpora first, then the confirmation's PreNorm and Block (and the chosen one once chosen)
+    if not budget.study_shapes or not budget.confirm_corpora:
+        return []
+    shape, tpp = budget.study_shapes[0], max(budget.tokens_per_param)
+    variants = evidence_variants(shape[1], shape[2])
+    confirm = ["prenorm", "block"] + [EVIDENCE_CHOSEN] * (EVIDENCE_CHOSEN not in (None, "prenorm", "block"))
+    pairs = [(data, v) for data in budget.choice_corpora for v in variants]
+    pairs += [(data, v) for data in budget.confirm_corpora for v in confirm]
+    return [
+        _study_spec(budget, data, shape, tpp, v, {**variants[v], "final_eval": "split"}, seed)
+        for seed in range(budget.evidence_seeds)
+        for data, v in pairs
+    ]
+
+
 _SPECS = {
     "scaling": _scaling_specs,
     "long-scaling": _long_scaling_specs,
@@ -470,6 +525,7 @@ _SPECS = {
     "budget": _budget_specs,
     "lr": _lr_specs,
     "queries": _queries_specs,
+    "evidence": _evidence_specs,
 }
 
 

