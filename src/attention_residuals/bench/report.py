@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..plotting import markdown_table, new_figure
+from .model import plot_sweep
 
 __all__ = ["main", "write_report"]
 
@@ -158,6 +159,57 @@ def _model_section(d: dict, stem: str, folder: Path) -> list[str]:
         "model step overhead over the PreNorm baseline",
         xmin=0.9,
     )
+    return lines + [f"![{stem}]({png})", ""]
+
+
+def _sweep_section(d: dict, stem: str, folder: Path) -> list[str]:
+    """``bench model --widths``: per step, each variant's paired ratio over PreNorm at every width."""
+    c = d["config"]
+    widths = c["widths"]
+    dec = c["decode"]
+    lines = [
+        f"Width sweep: d = {', '.join(map(str, widths))} (heads: d / 64, at least 4; d / 16 below d 64), {c['sublayers']} sublayers, "
+        f"T = {c['T']}, B = {c['B']}, {c['n_blocks']} blocks, {c['dtype']}"
+        + (", training step and prefill under torch.compile" if c.get("compile") else ", eager")
+        + f"; decode: {dec['tokens']} tokens a call after a {dec['prompt']}-token prompt, batch "
+        f"{', '.join(map(str, dec['batches']))}; best of {c['repeats']} interleaved repeats. Cells: time / PreNorm "
+        "at that width, paired (the median over rounds of the ratio within one round); targets: training ≤ "
+        f"{d['targets']['train_ratio']}, prefill and decode ≤ {d['targets']['prefill_ratio']}.",
+        "",
+    ]
+    cell = {(r["d_model"], r["kind"], r["variant"], r["schedule"]): r for r in d["results"]}
+    order = {"train": 0, "prefill": 1, "decode": 2}
+    keys = sorted(
+        dict.fromkeys(
+            (r["kind"], r["variant"], r["schedule"]) for r in d["results"] if r["variant"] != "prenorm"
+        ),
+        key=lambda k: order.get(k[0], 3),
+    )
+    rows = [
+        [kind, variant, schedule or "—"]
+        + [
+            _f(cell[(w, kind, variant, schedule)]["ratio_vs_prenorm_paired"], 3)
+            if (w, kind, variant, schedule) in cell
+            else None
+            for w in widths
+        ]
+        for kind, variant, schedule in keys
+    ]
+    base = [
+        ["PreNorm ms", "", ""]
+        + [
+            "/".join(
+                _f(cell[(w, kind, "prenorm", sched)]["best_ms"], 1)
+                for kind, sched in (("train", None), ("prefill", "plain"))
+                if (w, kind, "prenorm", sched) in cell
+            )
+            for w in widths
+        ]
+    ]
+    lines += _table(["step", "variant", "schedule"] + [f"d {w}" for w in widths], rows + base)
+    lines += ["PreNorm ms: its training step / prefill, best of the repeats.", ""]
+    png = f"{stem}.png"
+    plot_sweep(d["results"], folder / png, d["targets"])
     return lines + [f"![{stem}]({png})", ""]
 
 
@@ -328,6 +380,7 @@ def _dist_section(d: dict, stem: str, folder: Path) -> list[str]:
 SECTIONS = {
     "op": _op_section,
     "model": _model_section,
+    "model_sweep": _sweep_section,
     "memory": _memory_section,
     "peers": _peers_section,
     "dist": _dist_section,

@@ -43,20 +43,33 @@ def _curve(run_dir: str) -> list[tuple[int, float]]:
     ]
 
 
-def equal_time_loss(run: dict, base: dict) -> float | None:
-    """The run's validation loss (sampled windows) when it had trained as long as ``base``:
-    time is the step times the run's mean seconds per step (``train_s / steps``), the loss is
-    interpolated linearly between its evaluations. A run as fast or faster gives its final loss.
-    Its cosine schedule has not finished at that step, so a run planned for that time would do
-    at least as well: for the slower run this is a bound in PreNorm's favour."""
-    if run["train_s"] <= base["train_s"]:
+def equal_time_loss(run: dict, speed: float) -> float | None:
+    """The run's validation loss (sampled windows) at the training time PreNorm took, for a variant
+    whose throughput is ``speed`` times PreNorm's: at step ``speed * steps``, interpolated linearly
+    between its evaluations; a variant as fast or faster gives its final loss. Its cosine schedule
+    has not finished at that step, so a run planned for that time would do at least as well: for
+    the slower variant this is a bound in PreNorm's favour."""
+    if speed >= 1.0:
         return run["final_val_loss"]
-    step = run["steps"] * base["train_s"] / run["train_s"]
+    step = run["steps"] * speed
     curve = _curve(run["run_dir"])
     for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
         if s0 <= step <= s1:
             return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
     return None
+
+
+def speeds(by_corpus: dict) -> dict[str, float]:
+    """Each variant's throughput over PreNorm's: the median over every (corpus, seed) pair of
+    PreNorm's training seconds over the variant's (same tokens). The median, because a run that
+    shared the machine with other work for a while is slower for reasons of its own."""
+    ratios: dict[str, list[float]] = {}
+    for runs in by_corpus.values():
+        for v, seeds in runs.items():
+            for k, s in seeds.items():
+                if k in runs.get(BASELINE, {}):
+                    ratios.setdefault(v, []).append(runs[BASELINE][k]["train_s"] / s["train_s"])
+    return {v: statistics.median(r) for v, r in ratios.items()}
 
 
 def _by_corpus(todo: list[RunSpec], summaries: dict) -> dict[str, dict[str, dict[int, dict]]]:
@@ -74,9 +87,9 @@ def _loss(s: dict) -> float:
     return s["split_val"]["loss"]
 
 
-def _row(runs: dict[int, dict], base: dict[int, dict]) -> dict:
+def _row(runs: dict[int, dict], base: dict[int, dict], speed: float | None) -> dict:
     """A candidate's numbers on one corpus: losses, Δ vs PreNorm paired by seed with its interval,
-    the throughput ratio and Δ at PreNorm's training time."""
+    the throughput ratio (:func:`speeds`) and Δ at PreNorm's training time."""
     seeds = sorted(set(runs) & set(base))
     losses = [_loss(runs[k]) for k in sorted(runs)]
     row = {
@@ -85,17 +98,16 @@ def _row(runs: dict[int, dict], base: dict[int, dict]) -> dict:
         "loss_std": statistics.stdev(losses) if len(losses) > 1 else math.nan,
         "loss_se": max(runs[k]["split_val"]["se"] for k in runs),
         "tokens": runs[min(runs)]["split_val"]["tokens"],
+        "speed": speed,
     }
     if seeds:
         deltas = [_loss(runs[k]) - _loss(base[k]) for k in seeds]
         mean, lo, hi = paired_interval(deltas)
-        speed = [base[k]["train_s"] / runs[k]["train_s"] for k in seeds]
-        timed = [equal_time_loss(runs[k], base[k]) for k in seeds]
+        timed = [equal_time_loss(runs[k], speed) for k in seeds] if speed is not None else [None]
         row.update(
             delta=mean,
             delta_ci=(lo, hi),
             delta_per_seed=deltas,
-            speed=statistics.fmean(speed),
             delta_equal_time=(
                 statistics.fmean(t - base[k]["final_val_loss"] for t, k in zip(timed, seeds))
                 if all(t is not None for t in timed)
@@ -174,10 +186,11 @@ def evidence_analysis(
     choice = [corpus_tag(c) for c in budget.choice_corpora]
     confirm = [corpus_tag(c) for c in budget.confirm_corpora]
     tables: dict[str, dict[str, dict]] = {}
+    speed = speeds(by_corpus)
     for corpus in choice + confirm:
         runs = by_corpus.get(corpus, {})
         if BASELINE in runs:
-            tables[corpus] = {v: _row(runs[v], runs[BASELINE]) for v in runs}
+            tables[corpus] = {v: _row(runs[v], runs[BASELINE], speed.get(v)) for v in runs}
     decision = apply_choice_rule(by_corpus, choice)
     (d, n_layer, n_head), tpp = budget.study_shapes[0], max(budget.tokens_per_param)
     steps = max((s.overrides.get("steps", 0) for s in todo), default=0)
@@ -190,11 +203,11 @@ def evidence_analysis(
         "in the choice. Final losses on the whole validation split (every token once, disjoint windows); "
         "run SE: the largest standard error of one run's loss (spread of its windows' means). Δ = variant − "
         "PreNorm paired by seed, with a two-sided 95 % paired-t interval over the seeds (n − 1 df). "
-        "tokens/s × PreNorm: PreNorm's training seconds over the variant's (same tokens, same machine, one "
-        "thread; other work ran beside these runs, so ±5 % is noise). Δ at PreNorm's time: the variant's loss "
-        "(sampled validation windows) interpolated between its evaluations at the step it had reached after "
-        "PreNorm's training time, minus PreNorm's final loss on the same windows; the variant's schedule has "
-        "not annealed there, so this favours PreNorm.",
+        "tokens/s × PreNorm: the median over every corpus and seed of PreNorm's training seconds over the "
+        "variant's (same tokens, one thread; other work shared the machine at times, hence the median). Δ at "
+        "PreNorm's time: the variant's loss (sampled validation windows) at the step it reaches in PreNorm's "
+        "training time (steps × that ratio), interpolated between its evaluations, minus PreNorm's final loss "
+        "on the same windows; the variant's schedule has not annealed there, so this favours PreNorm.",
         "",
     ]
     for corpus, rows in tables.items():
@@ -213,7 +226,7 @@ def evidence_analysis(
             f"| {v} | {_fmt(d)} |" for v, d in sorted(decision["candidates"].items(), key=lambda x: x[1])
         ]
         lines.append("")
-    confirmation = _confirmation(by_corpus, confirm, decision.get("chosen"))
+    confirmation = _confirmation(by_corpus, confirm, decision.get("chosen"), speed)
     lines += _confirmation_lines(confirmation)
     _plot(tables, exp_dir / "evidence.png")
     lines += ["![Δ vs PreNorm per corpus](evidence.png)", ""]
@@ -227,7 +240,7 @@ def evidence_analysis(
     }
 
 
-def _confirmation(by_corpus: dict, confirm: list[str], chosen: str | None) -> dict:
+def _confirmation(by_corpus: dict, confirm: list[str], chosen: str | None, speed: dict[str, float]) -> dict:
     """On each confirmation corpus: Block and the chosen candidate vs PreNorm, and chosen − Block,
     paired by seed (``chosen`` None: Block only, until the choice is made)."""
     out = {}
@@ -235,7 +248,11 @@ def _confirmation(by_corpus: dict, confirm: list[str], chosen: str | None) -> di
         runs = by_corpus.get(corpus, {})
         if BASELINE not in runs:
             continue
-        row = {v: _row(runs[v], runs[BASELINE]) for v in dict.fromkeys([REPORT, chosen]) if v in runs}
+        row = {
+            v: _row(runs[v], runs[BASELINE], speed.get(v))
+            for v in dict.fromkeys([REPORT, chosen])
+            if v in runs
+        }
         if chosen not in (None, REPORT) and chosen in runs and REPORT in runs:
             seeds = sorted(set(runs[chosen]) & set(runs[REPORT]))
             deltas = [_loss(runs[chosen][k]) - _loss(runs[REPORT][k]) for k in seeds]

@@ -86,6 +86,39 @@ def test_io_per_layer_formulas():
     assert io["mhc_m4"]["total"] == 34.0
 
 
+def test_bench_model_width_sweep_quick(capsys, tmp_path):
+    """`--widths`: every step (train, prefill, decode at each batch) at every width, over the PreNorm
+    of its own width and kind; the report renders a table per width and the plot."""
+    png = tmp_path / "sweep.png"
+    args = ("model", "--no-malloc-cache", "--widths", "16,32", "--decode-batches", "1,2", "--plot", str(png))
+    data, table = _run(capsys, tmp_path, *args)
+    assert data["bench"] == "model_sweep" and data["config"]["widths"] == [16, 32] and not data["failed"]
+    assert data["config"]["decode"] == {"batches": [1, 2], "tokens": 8, "prompt": 8}  # fits seq 16
+    cases = {(r["d_model"], r["kind"], r["variant"], r["schedule"]) for r in data["results"]}
+    for w in (16, 32):
+        assert {
+            (w, "decode", "block", "b1"),
+            (w, "decode", "full", "b2"),
+            (w, "train", "block", None),
+        } <= cases
+    for r in data["results"]:
+        base = next(
+            b
+            for b in data["results"]
+            if (b["d_model"], b["kind"], b["variant"]) == (r["d_model"], r["kind"], "prenorm")
+            and b["schedule"] == {"train": None, "prefill": "plain"}.get(r["kind"], r["schedule"])
+        )
+        assert r["ratio_vs_prenorm"] == pytest.approx(r["best_ms"] / base["best_ms"], rel=1e-3)
+    assert png.stat().st_size > 0 and "d_model" in table
+    (tmp_path / "out.json").rename(tmp_path / "sweep_q.json")
+    assert cli.main(["bench", "report", str(tmp_path)]) == 0
+    page = (tmp_path / "README.md").read_text()
+    assert "| step | variant | schedule | d 16 | d 32 |" in page and "| decode | block | b2 |" in page
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "model", "--quick", "--widths", "16,x"])
+    assert exit_.value.code == 2 and "comma-separated positive integers" in capsys.readouterr().err
+
+
 def test_bench_report_from_quick_runs(capsys, tmp_path):
     """`attnres bench report`: every JSON of the folder becomes a section with its tables and plots."""
     for name in ("op", "model", "memory"):

@@ -96,11 +96,22 @@ def test_the_choice_rule_keeps_block_unless_a_candidate_leads_it_by_more_than_tw
 def test_equal_time_reads_the_slower_runs_curve_at_the_baselines_time(tmp_path):
     rows = [{"step": s, "val_loss": 2.0 - s / 100} for s in (0, 50, 100)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    slow = _summary(1.0, train_s=125.0, run_dir=str(tmp_path))
-    base = _summary(1.1, train_s=100.0)
-    # 100 s of 125 s: step 80 of 100, interpolated between the evaluations at 50 and 100
-    assert evidence.equal_time_loss(slow, base) == pytest.approx(1.2)
-    assert evidence.equal_time_loss(_summary(0.9, train_s=90.0), base) == 0.9  # faster: its final loss
+    slow = _summary(1.0, run_dir=str(tmp_path))
+    # 0.8x PreNorm's throughput: step 80 of 100 in its time, between the evaluations at 50 and 100
+    assert evidence.equal_time_loss(slow, 0.8) == pytest.approx(1.2)
+    assert evidence.equal_time_loss(_summary(0.9), 1.1) == 0.9  # faster: its final loss
+    # the throughput ratio is the median over corpora and seeds: one disturbed run does not move it
+    by_corpus = {
+        "code": {
+            "prenorm": {k: _summary(1.0, train_s=100.0) for k in range(3)},
+            "block": {
+                0: _summary(1.0, train_s=125.0),
+                1: _summary(1.0, train_s=125.0),
+                2: _summary(1.0, train_s=400.0),
+            },
+        }
+    }
+    assert evidence.speeds(by_corpus) == {"prenorm": 1.0, "block": 0.8}
 
 
 def test_the_analysis_writes_tables_and_a_plot(tmp_path):

@@ -536,3 +536,13 @@ def test_log_depth_rows_only_on_logged_steps(tmp_path, corpus):
     """The per-step statistics are taken only on the steps that write a row."""
     train(tiny(tmp_path / "r", log_depth=True, eval_interval=6, steps=12, **DEPTH), corpus=corpus)
     assert [r["step"] for r in read_metrics(tmp_path / "r") if "depth" in r] == [5, 6, 10, 12]
+
+
+def test_compile_in_one_process_trains_as_eager(tmp_path, corpus):
+    """`--compile` without a launcher (the default inductor backend, fullgraph) on Block AttnRes:
+    the same losses as eager within float32 reassociation."""
+    kw = {"residual": "block", "n_blocks": 2, "steps": 4, "eval_interval": 2, "log_interval": 1}
+    eager = train(tiny_config(tmp_path / "eager", **kw), corpus=corpus)
+    compiled = train(tiny_config(tmp_path / "compiled", compile=True, **kw), corpus=corpus)
+    assert compiled["final_train_loss"] == pytest.approx(eager["final_train_loss"], abs=1e-4)
+    assert compiled["final_val_loss"] == pytest.approx(eager["final_val_loss"], abs=1e-4)
