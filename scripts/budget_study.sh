@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The long studies of results/ (budget, lr, queries, long-ablation, long-scaling), in the order that
-# answers the first questions first: the 12-sublayer model on code and on prose, its learning-rate
-# sweep, whether the pseudo-queries learn, the 24-sublayer model, then the ablation rows and the
-# scaling fit at 20 tokens/param. Every run resumes from its checkpoint and finished runs are
+# The long studies of results/ (budget, lr, queries, long-ablation, long-scaling, evidence), in the
+# order that answers the first questions first: the 12-sublayer model on code and on prose, its
+# learning-rate sweep, whether the pseudo-queries learn, the 24-sublayer model, the ablation rows and
+# the scaling fit at 20 tokens/param, then the evidence study (3 seeds, whole-split losses, two more
+# corpora: `attnres data fetch` first). Every run resumes from its checkpoint and finished runs are
 # skipped, so this can be stopped at any point and started again (in another session).
 # WORKERS: processes in parallel (each trains every WORKERS-th run, --shard); THREADS: torch threads each.
 set -euo pipefail
@@ -34,3 +35,5 @@ study queries
 study budget
 study long-ablation
 study long-scaling
+$ATTNRES data fetch >/dev/null
+study evidence

@@ -156,6 +156,18 @@ def estimate_loss(
     return total / n_batches
 
 
+SPLIT_TOKENS = 1 << 16  # tokens per forward of the whole-split evaluation, at most
+SPLIT_LOGITS = 1 << 28  # float32 logits per forward, at most (1 GiB)
+
+
+def split_batch(batch_size: int, seq_len: int, vocab_size: int) -> int:
+    """Windows per forward of the whole-split evaluation: the training batch, or more where the
+    tokens (at most ``SPLIT_TOKENS``) and their logits (at most ``SPLIT_LOGITS``) stay small — the
+    loss does not depend on the grouping, and a small model's split is scored in fewer calls."""
+    tokens = min(SPLIT_TOKENS, SPLIT_LOGITS // vocab_size)
+    return max(batch_size, tokens // seq_len)
+
+
 @torch.no_grad()
 def split_loss(
     model: torch.nn.Module,
@@ -835,7 +847,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, env: DistEnv) -> dict:
         summary["split_val"] = split_loss(
             state.model,
             ctx.corpus.val,
-            batch_size=cfg.batch_size,
+            batch_size=split_batch(cfg.batch_size, cfg.model.seq_len, cfg.model.vocab_size),
             seq_len=cfg.model.seq_len,
             device=ctx.device,
             dtype=cfg.dtype,
