@@ -174,6 +174,7 @@ def test_demo_tiny_writes_report_and_skips_finished(tmp_path, capsys):
     assert "| PreNorm baseline |" in text and "| Block AttnRes" in text and "sha256 `" in text
     assert "![loss curves](report_loss.png)" in text and "attnres demo --tiny" in text
     assert "per seed" in text and "spread" in text and text.count("| Block AttnRes (S=2) |") == 2  # two seeds
+    assert "× PreNorm's tokens/s" in text and "at PreNorm's training time Δ = " in text
     png = report.with_name("report_loss.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ck = out / "block_s1" / "checkpoint.safetensors"

@@ -30,6 +30,7 @@ from ..plotting import format_count, format_duration, markdown_table, plot_loss_
 from ..training import ConfigMismatchError, RunError, make_config, read_metrics, train
 from ..training.checkpoint import CheckpointError
 from ..training.data import load_corpus
+from .evidence import equal_time_loss
 
 __all__ = ["DEMO_CONFIG", "DEMO_RUNS", "DEMO_SEEDS", "TINY_CONFIG", "demo", "main"]
 
@@ -215,6 +216,24 @@ def _paired_delta(results: list[dict]) -> tuple[list[float], str]:
     return deltas, text
 
 
+def _equal_time(results: list[dict]) -> str:
+    """Loss per second beside loss per token: Block's throughput over PreNorm's, and Δ when Block
+    has trained as long as PreNorm did (its loss read off its evaluation curve there)."""
+    runs = {(r["name"], r["seed"]): r["summary"] for r in results}
+    speed = [runs["prenorm", s]["train_s"] / runs["block", s]["train_s"] for s in DEMO_SEEDS]
+    at_time = [equal_time_loss(runs["block", s], v) for s, v in zip(DEMO_SEEDS, speed)]
+    per_seed = ", ".join(
+        "—" if t is None else f"{t - runs['prenorm', s]['final_val_loss']:+.4f}"
+        for t, s in zip(at_time, DEMO_SEEDS)
+    )
+    return (
+        f"Per second: Block AttnRes trains at {', '.join(f'{v:.2f}' for v in speed)}× PreNorm's tokens/s (per "
+        f"seed, the runs one after another on this machine); at PreNorm's training time Δ = {per_seed} (Block's "
+        "validation loss at the step it had reached by then, interpolated between its evaluations, before its "
+        "schedule annealed: a bound in PreNorm's favour)."
+    )
+
+
 def _results_table(results: list[dict]) -> str:
     return markdown_table(
         _result_rows(results),
@@ -300,6 +319,8 @@ def render_report(
         f"corpus with two seeds each. {verdict}",
         "",
         _results_table(results),
+        "",
+        _equal_time(results),
         "",
         f"![loss curves]({relpath(plot, report.parent)})",
         "",

@@ -357,7 +357,8 @@ def depth_attention_normed(
     backward saves only ``lse`` beside the sources and recomputes the rest (saved activations as
     PreNorm's). On the ``compiled`` backend one C kernel each way (the depth attention's output
     stays in float32 until the norm); on the others the depth-attention kernels with ``F.rms_norm``
-    in float32; under ``torch.compile`` and for ``reference``/``sigmoid``, the two ops in turn.
+    in float32; under ``torch.compile`` the C kernels as custom operators (the others: the two ops
+    in turn), and for ``reference``/``sigmoid`` the two ops in turn.
     """
     srcs = _checked(query, sources, heads, eps)
     d = srcs[0].shape[-1]
@@ -370,7 +371,8 @@ def depth_attention_normed(
     act = activation_dtype(srcs)
     device = srcs[0].device
     name = _select(device, act, normalize, backend)
-    if name == "reference" or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if name == "reference" or (compiling and name != "compiled"):
         out = depth_attention(
             query, sources, eps, heads=heads, key_norm=key_norm, normalize=normalize, backend=backend
         )
@@ -378,6 +380,20 @@ def depth_attention_normed(
     batch = srcs[0].shape[:-1]
     vs = [s.to(act).reshape(-1, d) for s in srcs]
     q = _flat_query(query, batch, d)
+    if compiling:  # the C kernels as custom operators (autograd by register_autograd)
+        acc = accumulation_dtype(act)
+        with autocast_disabled(device.type):
+            y, _ = _cpu.read_normed_op(
+                q.to(acc).contiguous(),
+                weight.to(acc).contiguous(),
+                [v.contiguous() for v in vs],
+                float(eps),
+                int(heads),
+                bool(key_norm),
+                float(norm_eps),
+                _requested(backend) == "compiled",
+            )
+        return y.reshape(*batch, d)
     kernels = _REGISTRY[name].kernels()
     with autocast_disabled(device.type):
         y = _autograd.DepthAttentionNormFunction.apply(

@@ -639,3 +639,76 @@ def _op_backward(ctx, grad_out, grad_lse):
 
 
 depth_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+@torch.library.custom_op("attention_residuals::read_normed_cpu", mutates_args=(), device_types="cpu")
+def read_normed_op(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    vs: list[torch.Tensor],
+    eps: float,
+    heads: int,
+    key_norm: bool,
+    norm_eps: float,
+    strict: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`read_forward` as an operator (the fused read under torch.compile): ``q`` [d] or
+    [M, d] and ``w`` [d] in the accumulation dtype, ``vs`` N [M, d] -> (y [M, d] in their dtype,
+    lse [M, H] in q's dtype); the eager formulas where the kernel is not built."""
+    eager = _eager_fallback(strict)
+    fwd = read_forward if eager is None else _eager_read()[0]
+    return fwd(q.contiguous(), w.contiguous(), [v.contiguous() for v in vs], eps, heads, key_norm, norm_eps)
+
+
+@read_normed_op.register_fake
+def _read_normed_fake(q, w, vs, eps, heads, key_norm, norm_eps, strict):
+    m, d = vs[0].shape
+    return vs[0].new_empty((m, d)), q.new_empty((m, heads))
+
+
+@torch.library.custom_op("attention_residuals::read_normed_cpu_backward", mutates_args=(), device_types="cpu")
+def read_normed_backward_op(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    vs: list[torch.Tensor],
+    lse: torch.Tensor,
+    gy: torch.Tensor,
+    eps: float,
+    heads: int,
+    key_norm: bool,
+    norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """:func:`read_backward` as an operator: (dq like q, dw like w, [dv_i like v_i])."""
+    eager = _eager_fallback(False)
+    bwd = read_backward if eager is None else _eager_read()[1]
+    vs = [v.contiguous() for v in vs]
+    dq, dw, dvs = bwd(q.contiguous(), w.contiguous(), vs, lse.contiguous(), gy.contiguous(), eps, heads, key_norm, norm_eps, True, True, True)  # fmt: skip
+    if eager is not None:  # an operator's outputs may not alias one another
+        dvs = [dv.clone() for dv in dvs]
+    return dq, dw, dvs
+
+
+@read_normed_backward_op.register_fake
+def _read_normed_backward_fake(q, w, vs, lse, gy, eps, heads, key_norm, norm_eps):
+    return torch.empty_like(q), torch.empty_like(w), [torch.empty_like(v) for v in vs]
+
+
+def _eager_read():
+    from .autograd import EAGER, read_kernels
+
+    return read_kernels(EAGER)
+
+
+def _read_setup_context(ctx, inputs, output) -> None:
+    q, w, vs, eps, heads, key_norm, norm_eps, strict = inputs
+    ctx.save_for_backward(q, w, output[1], *vs)
+    ctx.config = (eps, heads, key_norm, norm_eps)
+
+
+def _read_backward(ctx, grad_y, grad_lse):
+    q, w, lse, *vs = ctx.saved_tensors
+    dq, dw, dvs = read_normed_backward_op(q, w, vs, lse, grad_y.to(vs[0].dtype), *ctx.config)
+    return dq, dw, dvs, None, None, None, None, None
+
+
+read_normed_op.register_autograd(_read_backward, setup_context=_read_setup_context)

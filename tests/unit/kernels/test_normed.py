@@ -171,3 +171,34 @@ def test_the_read_kernels_without_a_norm_are_the_depth_attention_kernels(static)
     torch.testing.assert_close(dq, dq_plain, rtol=1e-10, atol=1e-12)
     for a, b in zip(dvs, dvs_plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_under_torch_compile_the_fused_read_is_one_custom_op_each_way(static, monkeypatch):
+    """Inside torch.compile the read runs the C kernels as operators (registered fake and autograd:
+    `torch.library.opcheck`), and gives eager's values and gradients."""
+    _skip_unavailable("compiled", torch.float32)
+    from attention_residuals.kernels import cpu
+
+    query, sources, weight, grad = _inputs(3, 10, 16, static, torch.float32)
+    torch.library.opcheck(cpu.read_normed_op, (query, weight, sources, 1e-6, 2, True, 1e-5, True))
+
+    def read(q, w, *vs):
+        return depth_attention_normed(q, list(vs), w, 1e-6, 1e-5, heads=2)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (query, weight, *sources)]
+        y = fn(*leaves)
+        y.backward(grad)
+        return y.detach(), [t.grad for t in leaves]
+
+    calls = []
+    real = cpu.read_forward
+    monkeypatch.setattr(cpu, "read_forward", lambda *a: calls.append(1) or real(*a))
+    y_eager, g_eager = run(read)
+    calls.clear()  # (eager mode reaches the kernel through its backend's table, not this name)
+    y_comp, g_comp = run(torch.compile(read, backend="aot_eager", fullgraph=True))
+    assert len(calls) == 1  # the compiled graph ran the fused kernel, once
+    torch.testing.assert_close(y_comp, y_eager, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
