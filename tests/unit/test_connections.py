@@ -90,7 +90,10 @@ def test_flat_and_nested_spellings_are_one_config():
 
 
 def test_every_committed_run_config_loads():
-    paths = sorted((ROOT / "results" / "runs").glob("*/config.json"))
+    # finished runs (a study training here has one run without its summary yet: it is not committed)
+    paths = sorted(
+        p for p in (ROOT / "results" / "runs").glob("*/config.json") if p.with_name("summary.json").exists()
+    )
     assert paths, "the committed runs are the compatibility fixture"
     for path in paths:
         record = json.loads(path.read_text())

@@ -378,7 +378,7 @@ def depth_attention_normed(
         )
         return torch.nn.functional.rms_norm(out, (d,), weight, norm_eps)
     batch = srcs[0].shape[:-1]
-    vs = [s.to(act).reshape(-1, d) for s in srcs]
+    vs = [s if s.dtype == act and s.dim() == 2 else s.to(act).reshape(-1, d) for s in srcs]
     q = _flat_query(query, batch, d)
     if compiling:  # the C kernels as custom operators (autograd by register_autograd)
         acc = accumulation_dtype(act)
@@ -396,9 +396,16 @@ def depth_attention_normed(
         return y.reshape(*batch, d)
     kernels = _REGISTRY[name].kernels()
     with autocast_disabled(device.type):
-        y = _autograd.DepthAttentionNormFunction.apply(
-            q, weight, float(eps), float(norm_eps), int(heads), bool(key_norm), kernels, *vs
-        )
+        if torch.is_grad_enabled() and (
+            query.requires_grad or weight.requires_grad or any(v.requires_grad for v in vs)
+        ):
+            y = _autograd.DepthAttentionNormFunction.apply(
+                q, weight, float(eps), float(norm_eps), int(heads), bool(key_norm), kernels, *vs
+            )
+        else:  # no graph to record (inference, decode): the kernel itself, without autograd's cost
+            acc = accumulation_dtype(act)
+            fwd, _ = _autograd.read_kernels(kernels)
+            y, _ = fwd(q.to(acc).contiguous(), weight.to(acc).contiguous(), [v.contiguous() for v in vs], float(eps), int(heads), bool(key_norm), float(norm_eps))  # fmt: skip
     return y.reshape(*batch, d)
 
 

@@ -743,6 +743,30 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf, vf32, 
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt, vf64, VW_f64, vload_f64, vload_f64, vsum_f64)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf, vf32, VW_f32, vload_bf16, vload_f32, vsum_f32)
 
+/* exp of one float for the read kernels' softmax, whose arguments are <= 0 (a logit minus the
+ * maximum, or minus lse): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then Cephes' degree-5
+ * polynomial (about 1 ulp); 0 below -87.3, where expf underflows too. Plain arithmetic, so a loop
+ * over the N H logits of a token compiles to vector instructions, where a call to expf per logit
+ * was one of the two scalar latency chains that dominated the kernel at small d (the key scale's
+ * sqrt and divide the other; `perf annotate`, d 64). exp(0) is exactly 1. float64 keeps libm's exp. */
+static inline float exp_lane_f32(float x) {
+    const int under = x < -87.3365f;
+    x = x < -87.3365f ? -87.3365f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return under ? 0.0f : p * scale;
+}
+
 /* The fused read of a sublayer: depth attention followed by the sublayer's own RMSNorm,
  *
  *   out = sum_i alpha_i v_i   (as above),   y = out * rs * w,   rs = 1 / sqrt(mean_c out_c^2 + norm_eps)
@@ -756,7 +780,7 @@ DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf
  * the file) in a second pass, delta = sum_i alpha_i (g . v_i) as there (with one source, dz is
  * then exactly 0, as it must be: g . out summed in another order is not). dw = sum over tokens of gy out rs, reduced per
  * thread and summed in thread order, as the static dq. */
-#define DEFINE_READ(SUF, T, ACC, LOAD, STORE, SQRT, EXP, LOG, V, VW, VLOAD, PUT, ALOAD, ASTORE, VSUM)  \
+#define DEFINE_READ(SUF, T, ACC, LOAD, STORE, SQRT, EXP, LOG, V, VW, VLOAD, PUT, ALOAD, ASTORE, VSUM) \
 static inline ACC sumsq_##SUF(const ACC *restrict x, int64_t n) {                                 \
     V a0 = {0}, a1 = {0};                                                                         \
     int64_t c = 0;                                                                                \
@@ -769,25 +793,39 @@ static inline ACC sumsq_##SUF(const ACC *restrict x, int64_t n) {               
     return r;                                                                                     \
 }                                                                                                 \
                                                                                                   \
-/* z [N, H] <- the logits of token m, r [N, H] <- their key scales (may be NULL) */               \
-static inline void read_logits_##SUF(const job_t *j, int64_t m, ACC *z, ACC *r) {                 \
+/* z [N, H] <- the logits of token m, r [N, H] <- their key scales: the reductions first, then  \
+ * the scales of all N H logits in one vector loop (sqrt and divide, exact as one by one) */       \
+static inline void read_logits_##SUF(const job_t *j, int64_t m, ACC *restrict z, ACC *restrict r) { \
     const T *const *v = (const T *const *)j->v;                                                   \
     const ACC *qt = (const ACC *)j->q + (j->q_static ? 0 : m * j->d);                             \
-    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, NH = N * H;                           \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
     for (int64_t i = 0; i < N; ++i) {                                                             \
         const T *x = v[i] + m * d;                                                                \
         for (int64_t h = 0; h < H; ++h) {                                                         \
             ACC ss, qv;                                                                           \
             reduce2_##SUF(x + h * dh, qt + h * dh, dh, (const char *)(x + h * dh) + PREFETCH_BYTES, &ss, &qv); \
-            const ACC ri = j->key_norm ? (ACC)1 / SQRT(ss * inv_dh + eps) : (ACC)1;               \
-            z[i * H + h] = qv * ri;                                                               \
-            if (r) r[i * H + h] = ri;                                                             \
+            z[i * H + h] = qv;                                                                    \
+            r[i * H + h] = ss * inv_dh + eps;                                                     \
         }                                                                                         \
+    }                                                                                             \
+    if (j->key_norm) {                                                                            \
+        _Pragma("omp simd")                                                                       \
+        for (int64_t k = 0; k < NH; ++k) { r[k] = (ACC)1 / SQRT(r[k]); z[k] *= r[k]; }            \
+    } else {                                                                                      \
+        for (int64_t k = 0; k < NH; ++k) r[k] = (ACC)1;                                           \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
-/* scratch: z [N, H] | out [d] */                                                                 \
+/* z [N, H] <- exp(z - c_h), c [H] one constant per head, in one vector loop */                  \
+static inline void read_exp_##SUF(ACC *restrict z, const ACC *restrict c, int64_t N, int64_t H) { \
+    for (int64_t i = 0; i < N; ++i)                                                               \
+        for (int64_t h = 0; h < H; ++h) z[i * H + h] -= c[h];                                     \
+    _Pragma("omp simd")                                                                           \
+    for (int64_t k = 0; k < N * H; ++k) z[k] = EXP(z[k]);                                         \
+}                                                                                                 \
+                                                                                                  \
+/* scratch: z [N, H] | r [N, H] | out [d] */                                                      \
 static void *read_fwd_worker_##SUF(void *arg) {                                                   \
     job_t *j = (job_t *)arg;                                                                      \
     const T *const *v = (const T *const *)j->v;                                                   \
@@ -795,14 +833,20 @@ static void *read_fwd_worker_##SUF(void *arg) {                                 
     T *y = (T *)j->out;                                                                           \
     ACC *lse = (ACC *)j->lse_out;                                                                 \
     const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
-    ACC *z = (ACC *)j->scratch, *acc = z + N * H;                                                 \
+    ACC *z = (ACC *)j->scratch, *rk = z + N * H, *acc = rk + N * H;                               \
     for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
-        read_logits_##SUF(j, m, z, NULL);                                                         \
+        ACC *lm = lse + m * H; /* the maxima first, then lse in place */                          \
+        read_logits_##SUF(j, m, z, rk);                                                           \
         for (int64_t h = 0; h < H; ++h) {                                                         \
-            ACC mx = z[h], l = 0;                                                                 \
+            ACC mx = z[h];                                                                        \
             for (int64_t i = 1; i < N; ++i) mx = z[i * H + h] > mx ? z[i * H + h] : mx;           \
-            for (int64_t i = 0; i < N; ++i) { z[i * H + h] = EXP(z[i * H + h] - mx); l += z[i * H + h]; } \
-            lse[m * H + h] = mx + LOG(l);                                                         \
+            lm[h] = mx;                                                                           \
+        }                                                                                         \
+        read_exp_##SUF(z, lm, N, H);                                                              \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            ACC l = 0;                                                                            \
+            for (int64_t i = 0; i < N; ++i) l += z[i * H + h];                                    \
+            lm[h] += LOG(l);                                                                      \
             wsum_##SUF(v, N, m * d + h * dh, z + h, H, dh, (ACC)1 / l, acc + h * dh);             \
         }                                                                                         \
         const ACC rs = w ? (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps) : (ACC)1; \
@@ -834,10 +878,10 @@ static void *read_bwd_worker_##SUF(void *arg) {                                 
         ACC *dqt = j->dq ? (j->q_static ? dqp : (ACC *)j->dq + m * d) : NULL;                     \
         /* pass 1: alpha_i from the saved lse, out = sum_i alpha_i v_i */                         \
         read_logits_##SUF(j, m, z, r);                                                            \
-        for (int64_t h = 0; h < H; ++h) {                                                         \
-            for (int64_t i = 0; i < N; ++i) al[i * H + h] = EXP(z[i * H + h] - lse[m * H + h]);   \
+        memcpy(al, z, sizeof(ACC) * (size_t)(N * H));                                             \
+        read_exp_##SUF(al, lse + m * H, N, H);                                                    \
+        for (int64_t h = 0; h < H; ++h)                                                           \
             wsum_##SUF(v, N, m * d + h * dh, al + h, H, dh, (ACC)1, acc + h * dh);                \
-        }                                                                                         \
         /* the output RMSNorm's backward: g = dL/dout */                                          \
         if (w) {                                                                                  \
             const ACC rs = (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps);        \
@@ -894,7 +938,7 @@ int attnres_read_fwd_##SUF(const void *const *v, const void *q, const void *w, v
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm;             \
     p.eps = eps; p.norm_eps = norm_eps;                                                           \
     if (M <= 0) return 0;                                                                         \
-    size_t bytes = sizeof(ACC) * (size_t)(N * H + d) + 64;                                        \
+    size_t bytes = sizeof(ACC) * (size_t)(2 * N * H + d) + 64;                                    \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
     char *scratch = launch(read_fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);         \
     if (!scratch) return -1;                                                                      \
@@ -929,9 +973,9 @@ int attnres_read_bwd_##SUF(const void *const *v, const void *q, const void *w, c
     return 0;                                                                                     \
 }
 
-DEFINE_READ(f32, float, float, ID_LOAD, ID_STORE, sqrtf, expf, logf, vf32, VW_f32, vload_f32, put_f32, vload_f32, vstore_f32, vsum_f32)
+DEFINE_READ(f32, float, float, ID_LOAD, ID_STORE, sqrtf, exp_lane_f32, logf, vf32, VW_f32, vload_f32, put_f32, vload_f32, vstore_f32, vsum_f32)
 DEFINE_READ(f64, double, double, ID_LOAD, ID_STORE, sqrt, exp, log, vf64, VW_f64, vload_f64, put_f64, vload_f64, vstore_f64, vsum_f64)
-DEFINE_READ(bf16, uint16_t, float, bf16_load, bf16_store, sqrtf, expf, logf, vf32, VW_f32, vload_bf16, put_bf16, vload_f32, vstore_f32, vsum_f32)
+DEFINE_READ(bf16, uint16_t, float, bf16_load, bf16_store, sqrtf, exp_lane_f32, logf, vf32, VW_f32, vload_bf16, put_bf16, vload_f32, vstore_f32, vsum_f32)
 
 int attnres_abi_version(void) { return 10; }
 
