@@ -20,7 +20,7 @@ from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
-from .evidence import evidence_analysis
+from .evidence import equal_time_loss, evidence_analysis
 from .specs import (
     PFLOPS_DAY,
     REPORT_ABLATION,
@@ -712,6 +712,58 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
     return lines
 
 
+def _budget_time_table(todo, summaries, tpp_of) -> tuple[list[dict], list[str]]:
+    """Loss per second beside loss per token: per row and variant, the throughput over PreNorm's
+    (the median over seeds of PreNorm's training seconds over the variant's) and Δ at PreNorm's
+    training time (:func:`.evidence.equal_time_loss`, mean over seeds)."""
+    runs: dict = {}
+    for spec in todo:
+        runs.setdefault((spec.group, tpp_of[spec.name]), {}).setdefault(spec.variant, {})[spec.seed] = (
+            summaries[spec.name]
+        )
+    out, variants = [], list(dict.fromkeys(s.variant for s in todo if s.variant != "prenorm"))
+    for (group, tpp), by_var in sorted(runs.items()):
+        base, row = by_var.get("prenorm", {}), {"group": group, "tokens_per_param": tpp, "cells": {}}
+        for v in variants:
+            seeds = sorted(set(by_var.get(v, {})) & set(base))
+            if not seeds:
+                continue
+            speed = float(np.median([base[k]["train_s"] / by_var[v][k]["train_s"] for k in seeds]))
+            timed = [equal_time_loss(by_var[v][k], speed) for k in seeds]
+            delta = (
+                float(np.mean([t - _final(base[k]) for t, k in zip(timed, seeds)]))
+                if all(t is not None for t in timed)
+                else None
+            )
+            row["cells"][v] = {"speed": speed, "delta_equal_time": delta}
+        out.append(row)
+    lines = [
+        "",
+        "At equal training time: tokens/s × PreNorm's and Δ at PreNorm's training time per variant.",
+        "",
+        "| corpus, sublayers | tokens/param | " + " | ".join(f"{v}: ×tok/s, Δ" for v in variants) + " |",
+        "|---" * (2 + len(variants)) + "|",
+    ]
+    for r in out:
+        cells = [
+            f"{c['speed']:.3f}, {'—' if c['delta_equal_time'] is None else format(c['delta_equal_time'], '+.4f')}"
+            if (c := r["cells"].get(v))
+            else "—"
+            for v in variants
+        ]
+        lines.append(f"| {r['group']} | {r['tokens_per_param']:g} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "×tok/s: the median over seeds of PreNorm's training seconds over the variant's (same tokens), as the "
+        "runs were trained (two runs at a time, one thread each, with the code of their day: before the fused "
+        "read, so AttnRes pays more here than it does now; `results/bench` has today's step times). Δ: the "
+        "variant's validation loss at the step it reached in PreNorm's training time (steps × ×tok/s), "
+        "interpolated between its evaluations, minus PreNorm's final loss; its schedule has not annealed "
+        "there, so this favours PreNorm.",
+    ]
+    return out, lines
+
+
 def _tokens_per_param(todo) -> dict[str, float]:
     """Each study run's tokens per parameter, read off its name (``..._tpp<x>_...``)."""
     return {spec.name: float(spec.name.split("_tpp")[1].split("_")[0]) for spec in todo}
@@ -723,9 +775,10 @@ def _budget(todo, summaries, exp_dir, budget, meta) -> dict:
     rows = _budget_rows(todo, summaries, tpp_of)
     _plot_budget(rows, exp_dir / "budget.png", list(budget.tokens_per_param))
     depth = _depth_rows(todo, summaries, tpp_of, budget.seq_len)
-    lines = _budget_table(rows, budget, meta) + _depth_table(depth)
+    timed, time_lines = _budget_time_table(todo, summaries, tpp_of)
+    lines = _budget_table(rows, budget, meta) + time_lines + _depth_table(depth)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
-    return {"rows": rows, "depth_weights": depth}
+    return {"rows": rows, "equal_time": timed, "depth_weights": depth}
 
 
 def _lr(todo, summaries, exp_dir, budget, meta) -> dict:

@@ -307,8 +307,16 @@ def test_quick_pipeline_end_to_end(tmp_path):
         "analysis/depth_weights.png",
         "shape/shape.png",
         "queries/queries.png",
+        "evidence/evidence.png",
     ):
         assert (tmp_path / png).stat().st_size > 1000
+    budget = (tmp_path / "budget" / "table.md").read_text()
+    assert "At equal training time" in budget and "| block: ×tok/s, Δ |" in budget
+    assert all(
+        c["speed"] > 0
+        for r in json.loads((tmp_path / "budget" / "results.json").read_text())["equal_time"]
+        for c in r["cells"].values()
+    )
     scaling = json.loads((tmp_path / "scaling" / "results.json").read_text())
     assert set(scaling["fits"]) == {"prenorm", "full", "block", "mhc"}
     # a second invocation skips every finished run
