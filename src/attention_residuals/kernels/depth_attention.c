@@ -743,6 +743,10 @@ DEFINE_TWO_PHASE(f32, float, float, ID_LOAD, ID_STORE, expf, logf, sqrtf, vf32, 
 DEFINE_TWO_PHASE(f64, double, double, ID_LOAD, ID_STORE, exp, log, sqrt, vf64, VW_f64, vload_f64, vload_f64, vsum_f64)
 DEFINE_TWO_PHASE(bf16, uint16_t, float, bf16_load, bf16_store, expf, logf, sqrtf, vf32, VW_f32, vload_bf16, vload_f32, vsum_f32)
 
+/* Tokens per tile of the read kernels' per-token scalars: a vector of float32 lanes with AVX-512. */
+#ifndef RT
+#define RT 16
+#endif
 /* exp of one float for the read kernels' softmax, whose arguments are <= 0 (a logit minus the
  * maximum, or minus lse): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, then Cephes' degree-5
  * polynomial (about 1 ulp); 0 below -87.3, where expf underflows too. Plain arithmetic, so a loop
@@ -793,39 +797,52 @@ static inline ACC sumsq_##SUF(const ACC *restrict x, int64_t n) {               
     return r;                                                                                     \
 }                                                                                                 \
                                                                                                   \
-/* z [N, H] <- the logits of token m, r [N, H] <- their key scales: the reductions first, then  \
- * the scales of all N H logits in one vector loop (sqrt and divide, exact as one by one) */       \
-static inline void read_logits_##SUF(const job_t *j, int64_t m, ACC *restrict z, ACC *restrict r) { \
+/* The per-token scalars of RT tokens at once: lane t of row k = i H + h is token m0 + t's logit  \
+ * (z), key scale (r) or weight; lanes past nt hold z 0, r 1. The reductions run token by token, \
+ * everything after them in loops over the RT lanes: sqrt, divide and exp as vector instructions \
+ * (a token's own N H logits are too few to fill a vector). */                                  \
+static inline void read_logits_##SUF(const job_t *j, int64_t m0, int64_t nt, ACC *restrict z, ACC *restrict r) { \
     const T *const *v = (const T *const *)j->v;                                                   \
-    const ACC *qt = (const ACC *)j->q + (j->q_static ? 0 : m * j->d);                             \
     const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, NH = N * H;                           \
     const ACC eps = (ACC)j->eps, inv_dh = (ACC)1 / (ACC)dh;                                       \
-    for (int64_t i = 0; i < N; ++i) {                                                             \
-        const T *x = v[i] + m * d;                                                                \
-        for (int64_t h = 0; h < H; ++h) {                                                         \
-            ACC ss, qv;                                                                           \
-            reduce2_##SUF(x + h * dh, qt + h * dh, dh, (const char *)(x + h * dh) + PREFETCH_BYTES, &ss, &qv); \
-            z[i * H + h] = qv;                                                                    \
-            r[i * H + h] = ss * inv_dh + eps;                                                     \
+    for (int64_t t = 0; t < nt; ++t) {                                                            \
+        const int64_t m = m0 + t;                                                                 \
+        const ACC *qt = (const ACC *)j->q + (j->q_static ? 0 : m * d);                            \
+        for (int64_t i = 0; i < N; ++i) {                                                         \
+            const T *x = v[i] + m * d;                                                            \
+            for (int64_t h = 0; h < H; ++h) {                                                     \
+                ACC ss, qv;                                                                       \
+                reduce2_##SUF(x + h * dh, qt + h * dh, dh, (const char *)(x + h * dh) + PREFETCH_BYTES, &ss, &qv); \
+                z[(i * H + h) * RT + t] = qv;                                                     \
+                r[(i * H + h) * RT + t] = ss * inv_dh + eps;                                      \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    if (j->key_norm) {                                                                            \
-        _Pragma("omp simd")                                                                       \
-        for (int64_t k = 0; k < NH; ++k) { r[k] = (ACC)1 / SQRT(r[k]); z[k] *= r[k]; }            \
-    } else {                                                                                      \
-        for (int64_t k = 0; k < NH; ++k) r[k] = (ACC)1;                                           \
+    for (int64_t k = 0; k < NH; ++k)                                                              \
+        for (int64_t t = nt; t < RT; ++t) { z[k * RT + t] = 0; r[k * RT + t] = 1; }               \
+    for (int64_t k = 0; k < NH; ++k) {                                                            \
+        ACC *restrict zk = z + k * RT, *restrict rk = r + k * RT;                                 \
+        if (j->key_norm) {                                                                        \
+            _Pragma("omp simd")                                                                   \
+            for (int64_t t = 0; t < RT; ++t) { rk[t] = (ACC)1 / SQRT(rk[t]); zk[t] *= rk[t]; }    \
+        } else {                                                                                  \
+            for (int64_t t = 0; t < RT; ++t) rk[t] = 1;                                           \
+        }                                                                                         \
     }                                                                                             \
 }                                                                                                 \
                                                                                                   \
-/* z [N, H] <- exp(z - c_h), c [H] one constant per head, in one vector loop */                  \
-static inline void read_exp_##SUF(ACC *restrict z, const ACC *restrict c, int64_t N, int64_t H) { \
+/* a [N H, RT] <- exp(z - c), c [H, RT]: one constant per head and lane (a may be z) */          \
+static inline void read_exp_##SUF(const ACC *z, const ACC *restrict c, ACC *a, int64_t N, int64_t H) { \
     for (int64_t i = 0; i < N; ++i)                                                               \
-        for (int64_t h = 0; h < H; ++h) z[i * H + h] -= c[h];                                     \
-    _Pragma("omp simd")                                                                           \
-    for (int64_t k = 0; k < N * H; ++k) z[k] = EXP(z[k]);                                         \
+        for (int64_t h = 0; h < H; ++h) {                                                         \
+            const ACC *zk = z + (i * H + h) * RT, *restrict ch = c + h * RT;                      \
+            ACC *ak = a + (i * H + h) * RT;                                                       \
+            _Pragma("omp simd")                                                                   \
+            for (int64_t t = 0; t < RT; ++t) ak[t] = EXP(zk[t] - ch[t]);                          \
+        }                                                                                         \
 }                                                                                                 \
                                                                                                   \
-/* scratch: z [N, H] | r [N, H] | out [d] */                                                      \
+/* scratch: z, r [N H, RT] | mx, l [H, RT] | out [d] */                                           \
 static void *read_fwd_worker_##SUF(void *arg) {                                                   \
     job_t *j = (job_t *)arg;                                                                      \
     const T *const *v = (const T *const *)j->v;                                                   \
@@ -833,55 +850,76 @@ static void *read_fwd_worker_##SUF(void *arg) {                                 
     T *y = (T *)j->out;                                                                           \
     ACC *lse = (ACC *)j->lse_out;                                                                 \
     const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
-    ACC *z = (ACC *)j->scratch, *rk = z + N * H, *acc = rk + N * H;                               \
-    for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
-        ACC *lm = lse + m * H; /* the maxima first, then lse in place */                          \
-        read_logits_##SUF(j, m, z, rk);                                                           \
+    ACC *z = (ACC *)j->scratch, *rk = z + N * H * RT, *mx = rk + N * H * RT, *l = mx + H * RT;    \
+    ACC *acc = l + H * RT;                                                                        \
+    for (int64_t m0 = j->m0; m0 < j->m1; m0 += RT) {                                              \
+        const int64_t nt = j->m1 - m0 < RT ? j->m1 - m0 : RT;                                     \
+        read_logits_##SUF(j, m0, nt, z, rk);                                                      \
         for (int64_t h = 0; h < H; ++h) {                                                         \
-            ACC mx = z[h];                                                                        \
-            for (int64_t i = 1; i < N; ++i) mx = z[i * H + h] > mx ? z[i * H + h] : mx;           \
-            lm[h] = mx;                                                                           \
+            ACC *restrict mh = mx + h * RT;                                                       \
+            for (int64_t t = 0; t < RT; ++t) mh[t] = z[h * RT + t];                               \
+            for (int64_t i = 1; i < N; ++i) {                                                     \
+                const ACC *restrict zi = z + (i * H + h) * RT;                                    \
+                _Pragma("omp simd")                                                               \
+                for (int64_t t = 0; t < RT; ++t) mh[t] = zi[t] > mh[t] ? zi[t] : mh[t];           \
+            }                                                                                     \
         }                                                                                         \
-        read_exp_##SUF(z, lm, N, H);                                                              \
+        read_exp_##SUF(z, mx, z, N, H);                                                           \
         for (int64_t h = 0; h < H; ++h) {                                                         \
-            ACC l = 0;                                                                            \
-            for (int64_t i = 0; i < N; ++i) l += z[i * H + h];                                    \
-            lm[h] += LOG(l);                                                                      \
-            wsum_##SUF(v, N, m * d + h * dh, z + h, H, dh, (ACC)1 / l, acc + h * dh);             \
+            ACC *restrict lh = l + h * RT;                                                        \
+            for (int64_t t = 0; t < RT; ++t) lh[t] = 0;                                           \
+            for (int64_t i = 0; i < N; ++i) {                                                     \
+                const ACC *restrict zi = z + (i * H + h) * RT;                                    \
+                _Pragma("omp simd")                                                               \
+                for (int64_t t = 0; t < RT; ++t) lh[t] += zi[t];                                  \
+            }                                                                                     \
         }                                                                                         \
-        const ACC rs = w ? (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps) : (ACC)1; \
-        T *dst = y + m * d;                                                                       \
-        int64_t c = 0;                                                                            \
-        for (; c + VW <= d; c += VW) {                                                            \
-            const V o = ALOAD(acc + c) * rs;                                                      \
-            PUT(dst + c, w ? o * ALOAD(w + c) : o, 0);                                            \
+        for (int64_t t = 0; t < nt; ++t) {                                                        \
+            const int64_t m = m0 + t;                                                             \
+            for (int64_t h = 0; h < H; ++h) {                                                     \
+                const ACC lt = l[h * RT + t];                                                     \
+                lse[m * H + h] = mx[h * RT + t] + LOG(lt);                                        \
+                wsum_##SUF(v, N, m * d + h * dh, z + h * RT + t, H * RT, dh, (ACC)1 / lt, acc + h * dh); \
+            }                                                                                     \
+            const ACC rs = w ? (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps) : (ACC)1; \
+            T *dst = y + m * d;                                                                   \
+            int64_t c = 0;                                                                        \
+            for (; c + VW <= d; c += VW) {                                                        \
+                const V o = ALOAD(acc + c) * rs;                                                  \
+                PUT(dst + c, w ? o * ALOAD(w + c) : o, 0);                                        \
+            }                                                                                     \
+            for (; c < d; ++c) dst[c] = STORE(acc[c] * rs * (w ? w[c] : (ACC)1));                 \
         }                                                                                         \
-        for (; c < d; ++c) dst[c] = STORE(acc[c] * rs * (w ? w[c] : (ACC)1));                     \
     }                                                                                             \
     return NULL;                                                                                  \
 }                                                                                                 \
                                                                                                   \
-/* scratch: dq partial [d] | dw partial [d] | out [d] | g [d] | r, z, alpha, g.v [N, H] each */        \
+/* scratch: dq partial [d] | dw partial [d] | out [d] | g [d] | r, z, alpha [N H, RT] | lse [H, RT] | g.v [N H] */ \
 static void *read_bwd_worker_##SUF(void *arg) {                                                   \
     job_t *j = (job_t *)arg;                                                                      \
     const T *const *v = (const T *const *)j->v;                                                   \
     const T *gy = (const T *)j->g;                                                                \
     const ACC *q = (const ACC *)j->q, *w = (const ACC *)j->w, *lse = (const ACC *)j->lse;         \
     T *const *dv = (T *const *)j->dv;                                                             \
-    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H;                                       \
+    const int64_t N = j->N, d = j->d, H = j->H, dh = d / H, NR = N * H * RT;                      \
     const ACC inv_dh = (ACC)1 / (ACC)dh;                                                          \
     ACC *dqp = (ACC *)j->scratch, *dwp = dqp + d, *acc = dwp + d, *g = acc + d;                   \
-    ACC *r = g + d, *z = r + N * H, *al = z + N * H, *sg = al + N * H;                            \
-    for (int64_t m = j->m0; m < j->m1; ++m) {                                                     \
+    ACC *r = g + d, *z = r + NR, *al = z + NR, *lc = al + NR, *sg = lc + H * RT;                  \
+    for (int64_t m0 = j->m0; m0 < j->m1; m0 += RT) {                                              \
+        const int64_t nt = j->m1 - m0 < RT ? j->m1 - m0 : RT;                                     \
+        /* pass 1, for the tile: alpha_i from the saved lse */                                    \
+        read_logits_##SUF(j, m0, nt, z, r);                                                       \
+        for (int64_t h = 0; h < H; ++h)                                                           \
+            for (int64_t t = 0; t < RT; ++t) lc[h * RT + t] = t < nt ? lse[(m0 + t) * H + h] : 0; \
+        read_exp_##SUF(z, lc, al, N, H);                                                          \
+        for (int64_t t = 0; t < nt; ++t) {                                                        \
+        const int64_t m = m0 + t;                                                                 \
         const T *gm = gy + m * d;                                                                 \
         const ACC *qt = q + (j->q_static ? 0 : m * d);                                            \
         ACC *dqt = j->dq ? (j->q_static ? dqp : (ACC *)j->dq + m * d) : NULL;                     \
-        /* pass 1: alpha_i from the saved lse, out = sum_i alpha_i v_i */                         \
-        read_logits_##SUF(j, m, z, r);                                                            \
-        memcpy(al, z, sizeof(ACC) * (size_t)(N * H));                                             \
-        read_exp_##SUF(al, lse + m * H, N, H);                                                    \
+        /* out = sum_i alpha_i v_i */                                                             \
         for (int64_t h = 0; h < H; ++h)                                                           \
-            wsum_##SUF(v, N, m * d + h * dh, al + h, H, dh, (ACC)1, acc + h * dh);                \
+            wsum_##SUF(v, N, m * d + h * dh, al + h * RT + t, H * RT, dh, (ACC)1, acc + h * dh);  \
         /* the output RMSNorm's backward: g = dL/dout */                                          \
         if (w) {                                                                                  \
             const ACC rs = (ACC)1 / SQRT(sumsq_##SUF(acc, d) / (ACC)d + (ACC)j->norm_eps);        \
@@ -904,19 +942,19 @@ static void *read_bwd_worker_##SUF(void *arg) {                                 
             ACC delta = 0;                                                                        \
             for (int64_t i = 0; i < N; ++i) {                                                     \
                 sg[i * H + h] = dot_##SUF(v[i] + o, gh, dh);                                      \
-                delta += al[i * H + h] * sg[i * H + h];                                           \
+                delta += al[(i * H + h) * RT + t] * sg[i * H + h];                                \
             }                                                                                     \
             for (int64_t i = 0; i < N; ++i) {                                                     \
-                const int64_t k = i * H + h;                                                      \
+                const int64_t k = i * H + h, kt = k * RT + t;                                     \
                 const T *restrict x = v[i] + o;                                                   \
-                const ACC dz = al[k] * (sg[k] - delta), a = dz * r[k];                            \
-                const ACC b = j->key_norm ? -dz * z[k] * r[k] * r[k] * inv_dh : (ACC)0;           \
+                const ACC ak = al[kt], dz = ak * (sg[k] - delta), a = dz * r[kt];                 \
+                const ACC b = j->key_norm ? -dz * z[kt] * r[kt] * r[kt] * inv_dh : (ACC)0;        \
                 int64_t c = 0;                                                                    \
                 if (dv) {                                                                         \
                     T *restrict dst = dv[i] + o;                                                  \
                     for (; c + VW <= dh; c += VW)                                                 \
-                        PUT(dst + c, al[k] * ALOAD(gh + c) + a * ALOAD(qh + c) + b * VLOAD(x + c), 0); \
-                    for (; c < dh; ++c) dst[c] = STORE(al[k] * gh[c] + a * qh[c] + b * LOAD(x[c])); \
+                        PUT(dst + c, ak * ALOAD(gh + c) + a * ALOAD(qh + c) + b * VLOAD(x + c), 0); \
+                    for (; c < dh; ++c) dst[c] = STORE(ak * gh[c] + a * qh[c] + b * LOAD(x[c]));  \
                 }                                                                                 \
                 if (dqt) {                                                                        \
                     ACC *restrict dqh = dqt + h * dh;                                             \
@@ -924,6 +962,7 @@ static void *read_bwd_worker_##SUF(void *arg) {                                 
                     for (; c < dh; ++c) dqh[c] += a * LOAD(x[c]);                                 \
                 }                                                                                 \
             }                                                                                     \
+        }                                                                                         \
         }                                                                                         \
     }                                                                                             \
     return NULL;                                                                                  \
@@ -938,7 +977,7 @@ int attnres_read_fwd_##SUF(const void *const *v, const void *q, const void *w, v
     p.N = N; p.M = M; p.d = d; p.H = H; p.q_static = q_static; p.key_norm = key_norm;             \
     p.eps = eps; p.norm_eps = norm_eps;                                                           \
     if (M <= 0) return 0;                                                                         \
-    size_t bytes = sizeof(ACC) * (size_t)(2 * N * H + d) + 64;                                    \
+    size_t bytes = sizeof(ACC) * (size_t)(2 * N * H * RT + 2 * H * RT + d) + 64;                  \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
     char *scratch = launch(read_fwd_worker_##SUF, &p, clamp_threads(nthreads, M), bytes);         \
     if (!scratch) return -1;                                                                      \
@@ -959,7 +998,7 @@ int attnres_read_bwd_##SUF(const void *const *v, const void *q, const void *w, c
     if (dq) memset(dq, 0, sizeof(ACC) * (size_t)(q_static ? d : M * d));                          \
     if (dw) memset(dw, 0, sizeof(ACC) * (size_t)d);                                               \
     if (M <= 0) return 0;                                                                         \
-    size_t bytes = sizeof(ACC) * (size_t)(4 * d + 4 * N * H) + 64;                                \
+    size_t bytes = sizeof(ACC) * (size_t)(4 * d + 3 * N * H * RT + H * RT + N * H) + 64;          \
     bytes = (bytes + 63) & ~(size_t)63;                                                           \
     int nt = clamp_threads(nthreads, M);                                                          \
     char *scratch = launch(read_bwd_worker_##SUF, &p, nt, bytes); /* calloc: partials start at 0 */ \

@@ -59,6 +59,8 @@ CASES = [  # sources N, tokens M, width d, depth heads, key norm, static query
     (1, 20, 24, 3, True, True),
     (7, 33, 40, 1, False, True),
     (4, 19, 20, 2, False, False),
+    (2, 1, 8, 1, True, False),  # one token: a tile of one lane (decode)
+    (3, 16, 32, 2, True, True),  # exactly one tile of the C kernels
 ]
 
 
