@@ -20,7 +20,7 @@ from ..training.data import eval_batches, load_corpus
 from ..training.depth import depth_weight_summary
 from ..training.run import checkpoints_in, load_run_checkpoint, read_metrics
 from . import dynamics
-from .evidence import equal_time_loss, evidence_analysis
+from .evidence import equal_time_loss, evidence_analysis, interim_lines
 from .specs import (
     PFLOPS_DAY,
     REPORT_ABLATION,
@@ -153,7 +153,7 @@ def _long_scaling(todo, summaries, exp_dir, budget, meta) -> dict:
         f"Block: {blocks}; block_hH: Block with one depth head per attention head (H of them)."
         + (f" The {shared} runs are the budget study's." if any(g == shared for g, _ in sizes) else ""),
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return out
 
@@ -283,13 +283,6 @@ def _n_blocks(n_layer: int, block_size: int) -> int:
     return math.ceil(2 * n_layer / block_size)
 
 
-def _interim(meta: dict) -> list[str]:
-    """The line that marks a ``--partial`` table (none when every planned run finished)."""
-    if "runs_planned" not in meta:
-        return []
-    return ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
-
-
 def _ablation_table(todo, summaries) -> tuple[dict, list[str]]:
     """Each variant's loss over seeds, Δ vs the baseline paired by seed (the mean of the per-seed
     differences, listed too), a verdict from the sign on each seed, and the report's number beside
@@ -331,7 +324,7 @@ def _ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         "verdict: the sign of Δ on each seed (two seeds give a direction, not a significance test). "
         "The report column is its 48B ablation: a different scale, for direction only.",
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -362,7 +355,7 @@ def _long_ablation(todo, summaries, exp_dir, budget, meta) -> dict:
         "The report column is its 48B ablation (its Block row, at S = 4 of its depth, beside our "
         f"block_s{S}): a different scale, for direction only.",
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": table}
 
@@ -708,7 +701,7 @@ def _budget_table(rows: list[dict], budget, meta) -> list[str]:
         )
         + ".",
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     return lines
 
 
@@ -824,7 +817,7 @@ def _lr(todo, summaries, exp_dir, budget, meta) -> dict:
         "lr — the lr with the lowest mean of these same final losses, a choice that favours every variant "
         "alike (no held-out selection)."
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"table": out}
 
@@ -952,7 +945,7 @@ def _queries(todo, summaries, exp_dir, budget, meta) -> dict:
         "`--log-depth`, which leaves training bit-identical (tested), so their losses are the budget "
         "study's. Trajectories: queries.png.",
     ]
-    lines += _interim(meta)
+    lines += interim_lines(meta)
     (exp_dir / "table.md").write_text("\n".join(lines) + "\n")
     return {"rows": rows}
 

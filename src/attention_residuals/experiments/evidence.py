@@ -20,9 +20,16 @@ from ..plotting import new_figure
 from ..training.run import read_metrics
 from .specs import Budget, RunSpec, corpus_tag
 
-__all__ = ["apply_choice_rule", "equal_time_loss", "evidence_analysis", "paired_interval"]
+__all__ = ["apply_choice_rule", "equal_time_loss", "evidence_analysis", "interim_lines", "paired_interval"]
 
 BASELINE, REPORT = "prenorm", "block"
+
+
+def interim_lines(meta: dict) -> list[str]:
+    """The line that marks a ``--partial`` table (none when every planned run finished)."""
+    if "runs_planned" not in meta:
+        return []
+    return ["", f"Interim: {meta['runs_finished']} of {meta['runs_planned']} planned runs finished."]
 
 
 def paired_interval(deltas: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -229,7 +236,7 @@ def evidence_analysis(
     confirmation = _confirmation(by_corpus, confirm, decision.get("chosen"), speed)
     lines += _confirmation_lines(confirmation)
     _plot(tables, exp_dir / "evidence.png")
-    lines += ["![Δ vs PreNorm per corpus](evidence.png)", ""]
+    lines += ["![Δ vs PreNorm per corpus](evidence.png)", *interim_lines(meta), ""]
     atomic_write(exp_dir / "table.md", "\n".join(lines))
     return {
         "tables": tables,
