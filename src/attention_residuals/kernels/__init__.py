@@ -380,19 +380,15 @@ def depth_attention_normed(
     batch = srcs[0].shape[:-1]
     vs = [s if s.dtype == act and s.dim() == 2 else s.to(act).reshape(-1, d) for s in srcs]
     q = _flat_query(query, batch, d)
+    acc = accumulation_dtype(act)
+    scalars = (float(eps), int(heads), bool(key_norm), float(norm_eps))
+
+    def kernel_args():  # called on the paths without autograd.Function (which casts for itself)
+        return q.to(acc).contiguous(), weight.to(acc).contiguous(), [v.contiguous() for v in vs]
+
     if compiling:  # the C kernels as custom operators (autograd by register_autograd)
-        acc = accumulation_dtype(act)
         with autocast_disabled(device.type):
-            y, _ = _cpu.read_normed_op(
-                q.to(acc).contiguous(),
-                weight.to(acc).contiguous(),
-                [v.contiguous() for v in vs],
-                float(eps),
-                int(heads),
-                bool(key_norm),
-                float(norm_eps),
-                _requested(backend) == "compiled",
-            )
+            y, _ = _cpu.read_normed_op(*kernel_args(), *scalars, _requested(backend) == "compiled")
         return y.reshape(*batch, d)
     kernels = _REGISTRY[name].kernels()
     with autocast_disabled(device.type):
@@ -403,9 +399,7 @@ def depth_attention_normed(
                 q, weight, float(eps), float(norm_eps), int(heads), bool(key_norm), kernels, *vs
             )
         else:  # no graph to record (inference, decode): the kernel itself, without autograd's cost
-            acc = accumulation_dtype(act)
-            fwd, _ = _autograd.read_kernels(kernels)
-            y, _ = fwd(q.to(acc).contiguous(), weight.to(acc).contiguous(), [v.contiguous() for v in vs], float(eps), int(heads), bool(key_norm), float(norm_eps))  # fmt: skip
+            y, _ = _autograd.read_kernels(kernels)[0](*kernel_args(), *scalars)
     return y.reshape(*batch, d)
 
 
